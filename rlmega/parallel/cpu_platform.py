@@ -1,0 +1,277 @@
+"""Run real Megatron-Core on a CUDA-less machine (CPU tensors, gloo collectives).
+
+Megatron-Core assumes CUDA in a few dozen places: tensors allocated with ``device="cuda"`` or
+``torch.cuda.current_device()``, CUDA streams, the CUDA RNG, ``param.type()`` compared with
+``'torch.cuda.FloatTensor'``. On a torch build without CUDA every one of those raises, so giving
+them a CPU meaning changes nothing that worked before. This module is the only place in rlmega
+that does so; each redirect below says why in one line.
+
+``enable()`` is a no-op when CUDA is available: on GPU, Megatron runs untouched.
+The redirects were checked against the megatron-core versions in ``CHECKED_MCORE_VERSIONS``;
+any other version is refused rather than half-patched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+logger = logging.getLogger(__name__)
+
+# (major, minor) releases of megatron-core whose CUDA-only calls were audited for this module.
+CHECKED_MCORE_VERSIONS = ((0, 16),)
+
+_enabled = False
+
+
+def cpu_platform_needed() -> bool:
+    """True when Megatron must run on CPU: no usable CUDA device."""
+    return not torch.cuda.is_available()
+
+
+def is_enabled() -> bool:
+    return _enabled
+
+
+def _is_cuda_device(device) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True  # a bare index means a CUDA ordinal in torch
+    if isinstance(device, (str, torch.device)):
+        return torch.device(device).type == "cuda"
+    return False
+
+
+class CudaAsCpu(TorchFunctionMode):
+    """Maps every CUDA device named in a torch call to the CPU.
+
+    Covers ``torch.zeros(..., device="cuda")``, ``t.to(torch.cuda.current_device())``, ``t.cuda()``,
+    ``pin_memory=True`` (needs CUDA) and ``t.type()`` (Megatron's optimizer accepts only
+    ``torch.cuda.*Tensor`` type names, so CPU tensors report their CUDA twin).
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if i > 0 and _is_cuda_device(a) else a for i, a in enumerate(args))
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
+        return func(*args, **kwargs)
+
+
+class _CpuEvent:
+    """Stands in for ``torch.cuda.Event``: CPU work is complete when the call returns."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _CpuStream:
+    """Stands in for ``torch.cuda.Stream``: on CPU every op is already ordered and synchronous."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, event=None):
+        return event or _CpuEvent()
+
+    def query(self):
+        return True
+
+    def __eq__(self, other):
+        return isinstance(other, _CpuStream)
+
+    def __hash__(self):
+        return 0
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _patch_torch_cuda():
+    # These torch.cuda entry points can only raise on a CUDA-less build; give them CPU meanings.
+    torch.cuda.current_device = lambda: 0  # an index; CudaAsCpu maps CUDA ordinals to the CPU
+    torch.cuda.Stream = _CpuStream  # MoE dispatcher and DDP create side streams
+    torch.cuda.Event = _CpuEvent  # recorded on those streams and waited on
+    torch.cuda.current_stream = lambda device=None: _CPU_STREAM  # compared with side streams
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # `with torch.cuda.stream(s)`
+    torch.cuda.synchronize = lambda device=None: None  # CPU ops finish before returning
+    torch.Tensor.record_stream = lambda self, stream: None  # no caching allocator to inform
+
+
+def _patch_autograd_backward():
+    # Autograd calls Python backward() without the caller's torch-function modes; re-enter ours
+    # so Megatron's custom Functions can allocate "cuda" tensors in backward too.
+    from torch.autograd.function import BackwardCFunction
+
+    run_backward = BackwardCFunction.apply
+
+    def apply_with_cpu_devices(self, *args):
+        with CudaAsCpu():
+            return run_backward(self, *args)
+
+    BackwardCFunction.apply = apply_with_cpu_devices
+
+
+class CpuRNGStatesTracker:
+    """Mixin body for Megatron's ``CudaRNGStatesTracker`` keeping named CPU generator states.
+
+    On CPU the default generator plays the CUDA generator's role: ``fork(name)`` swaps the named
+    state in, so dropout inside tensor-parallel regions draws from the per-rank stream exactly as
+    on GPU.
+    """
+
+    def add(self, name, seed):
+        if seed in self.seeds_:
+            raise ValueError(f"RNG seed {seed} is already tracked")
+        if name in self.states_:
+            raise ValueError(f"RNG state {name!r} is already tracked")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise ValueError(f"RNG state {name!r} was never added; call model_parallel_cuda_manual_seed")
+        outer_state = torch.get_rng_state()
+        outer_name = self._current_state_name
+        torch.set_rng_state(self.states_[name])
+        self._current_state_name = name
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer_state)
+            self._current_state_name = outer_name
+
+
+def _patch_rng_tracker():
+    # The tracker reads and writes the CUDA RNG; keep its named states on CPU generators instead.
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    base = mcore_random.CudaRNGStatesTracker
+    cpu_tracker = type("CpuRNGStatesTracker", (CpuRNGStatesTracker, base), {})
+    mcore_random.CudaRNGStatesTracker = cpu_tracker
+    mcore_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    if isinstance(mcore_random._CUDA_RNG_STATE_TRACKER, base):
+        mcore_random._CUDA_RNG_STATE_TRACKER.__class__ = cpu_tracker
+
+
+def _patch_moe():
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    # moe_utils names te_general_gemm only when TE imports; None selects its torch matmul path.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    # The alltoall dispatcher turns split sizes into numpy only for CUDA tensors; do it on CPU too.
+    def move_to_host(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor):
+            return tensor.numpy()
+        return tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = move_to_host
+
+
+def _patch_torch_norm():
+    # The torch norm refuses sequence parallel although per-token norms shard fine along the
+    # sequence; allow it and mark the weights so their gradients are all-reduced over TP.
+    from megatron.core.transformer import torch_norm
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def new_norm(cls, config, hidden_size, eps=1e-5, **kwargs):
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, eps, **kwargs)
+        config.sequence_parallel = False
+        try:
+            norm = original_new(cls, config, hidden_size, eps, **kwargs)
+        finally:
+            config.sequence_parallel = True
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = new_norm
+
+
+def _patch_pipeline_p2p():
+    # gloo pairs a batch of sends and receives by posting order, so with two pipeline stages
+    # (prev == next) an activation and a gradient swap places; post them in Megatron's even/odd order.
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    def ordered_p2p_ops(**kwargs):
+        return list(p2p_communication._p2p_ops(**kwargs).values())
+
+    p2p_communication._batched_p2p_ops = ordered_p2p_ops
+
+
+def check_mcore_version(version: str) -> None:
+    """Refuse megatron-core releases whose CUDA-only calls were not audited."""
+    major_minor = tuple(int(part) for part in version.split(".")[:2])
+    if major_minor not in CHECKED_MCORE_VERSIONS:
+        checked = ", ".join(f"{a}.{b}.x" for a, b in CHECKED_MCORE_VERSIONS)
+        raise RuntimeError(
+            f"rlmega's CPU platform was checked on megatron-core {checked}, not {version}; "
+            f"install a checked release (pip install 'megatron-core==0.16.*') or run on a GPU."
+        )
+
+
+def enable() -> bool:
+    """Make Megatron-Core run on CPU in this process. Returns True when the redirects are active.
+
+    Idempotent. Does nothing when CUDA is available. Must run in every process that calls into
+    Megatron (the multi-rank harness and the workers call it at start-up).
+    """
+    global _enabled
+    if _enabled:
+        return True
+    if not cpu_platform_needed():
+        return False
+    import megatron.core
+
+    check_mcore_version(megatron.core.__version__)
+    _patch_torch_cuda()
+    _patch_autograd_backward()
+    _patch_rng_tracker()
+    _patch_moe()
+    _patch_torch_norm()
+    _patch_pipeline_p2p()
+    CudaAsCpu().__enter__()  # process-wide: every later Megatron call sees CPU devices
+    _enabled = True
+    logger.debug("rlmega CPU platform enabled for megatron-core %s", megatron.core.__version__)
+    return True

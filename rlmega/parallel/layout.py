@@ -1,0 +1,165 @@
+"""The parallel layout: every parallel degree in one validated object, and Megatron's groups from it.
+
+Megatron orders ranks ``tp-cp-ep-dp-pp`` (tensor fastest). Dense layers see
+``world = tp * cp * dp * pp``; expert layers re-fold the same ranks as
+``world = etp * ep * edp * pp``, so ``ep * etp`` must divide ``tp * cp * dp``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot work; the message names the offending numbers."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelLayout:
+    """Parallel degrees of one training job. ``dp`` is derived from the world size."""
+
+    tp: int = 1
+    """Tensor parallel: splits attention heads and MLP columns inside each layer."""
+    pp: int = 1
+    """Pipeline parallel: splits the layers into consecutive stages."""
+    vpp: Optional[int] = None
+    """Virtual pipeline stages per rank (interleaved 1F1B); None or 1 means plain 1F1B."""
+    cp: int = 1
+    """Context parallel: splits the sequence; needs transformer-engine (GPU only)."""
+    ep: int = 1
+    """Expert parallel: splits the experts of MoE layers."""
+    etp: Optional[int] = None
+    """Expert tensor parallel: splits each expert's weights; None means 1 (no split) under ep > 1, else tp."""
+    world_size: int = 1
+    """Total number of ranks in the job."""
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "cp", "ep", "world_size"):
+            if getattr(self, name) < 1:
+                raise LayoutError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.vpp is not None and self.vpp < 1:
+            raise LayoutError(f"vpp={self.vpp} must be at least 1 (or None)")
+        if self.etp is not None and self.etp < 1:
+            raise LayoutError(f"etp={self.etp} must be at least 1 (or None)")
+        model_parallel = self.tp * self.cp * self.pp
+        if self.world_size % model_parallel:
+            raise LayoutError(
+                f"world size {self.world_size} is not divisible by tp*cp*pp = "
+                f"{self.tp}*{self.cp}*{self.pp} = {model_parallel}"
+            )
+        if self.virtual_stages > 1 and self.pp == 1:
+            raise LayoutError(f"vpp={self.vpp} needs pipeline parallelism, but pp=1")
+        dense_ranks = self.tp * self.cp * self.dp
+        if dense_ranks % (self.ep * self.expert_tp):
+            raise LayoutError(
+                f"ep*etp = {self.ep}*{self.expert_tp} must divide tp*cp*dp = "
+                f"{self.tp}*{self.cp}*{self.dp} = {dense_ranks}"
+            )
+
+    @property
+    def dp(self) -> int:
+        """Data parallel degree of the dense layers."""
+        return self.world_size // (self.tp * self.cp * self.pp)
+
+    @property
+    def expert_tp(self) -> int:
+        """Effective expert tensor parallel degree."""
+        if self.etp is not None:
+            return self.etp
+        return 1 if self.ep > 1 else self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """Data parallel degree of the expert layers."""
+        return self.world_size // (self.pp * self.ep * self.expert_tp)
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.vpp or 1
+
+    def check_model(
+        self,
+        *,
+        num_layers: int,
+        num_attention_heads: int,
+        num_query_groups: Optional[int] = None,
+        num_experts: Optional[int] = None,
+        has_transformer_engine: bool = False,
+    ) -> None:
+        """Raise LayoutError unless the model can be split this way."""
+        if num_attention_heads % self.tp:
+            raise LayoutError(
+                f"num_attention_heads={num_attention_heads} is not divisible by tp={self.tp}"
+            )
+        groups = num_query_groups or num_attention_heads
+        if groups % self.tp:
+            raise LayoutError(f"num_query_groups={groups} is not divisible by tp={self.tp}")
+        chunks = self.pp * self.virtual_stages
+        if num_layers % chunks:
+            raise LayoutError(
+                f"num_layers={num_layers} is not divisible by pp*vpp = "
+                f"{self.pp}*{self.virtual_stages} = {chunks}"
+            )
+        if self.ep > 1 and not num_experts:
+            raise LayoutError(f"ep={self.ep} needs a MoE model, but the model has no experts")
+        if num_experts and num_experts % self.ep:
+            raise LayoutError(f"num_experts={num_experts} is not divisible by ep={self.ep}")
+        if self.cp > 1 and not has_transformer_engine:
+            raise LayoutError(
+                f"cp={self.cp} needs transformer-engine (GPU only), which is not installed; use cp=1"
+            )
+
+    def describe(self) -> str:
+        vpp = f" vpp={self.vpp}" if self.virtual_stages > 1 else ""
+        return (
+            f"tp={self.tp} pp={self.pp}{vpp} cp={self.cp} ep={self.ep} etp={self.expert_tp} "
+            f"dp={self.dp} (world {self.world_size})"
+        )
+
+
+def default_backend() -> str:
+    """NCCL where CUDA is usable, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def initialize(layout: ParallelLayout, *, timeout_s: float = 300.0) -> None:
+    """Create Megatron's process groups for ``layout``.
+
+    Expects ``torch.distributed`` to be initialised already (torchrun, Ray or the test harness do
+    it) with ``world_size`` ranks. On CPU it also enables the platform redirects.
+    """
+    from megatron.core import parallel_state
+
+    from rlmega.parallel import cpu_platform
+
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised; call torch.distributed.init_process_group first"
+        )
+    if dist.get_world_size() != layout.world_size:
+        raise LayoutError(
+            f"layout is for world size {layout.world_size}, but torch.distributed has "
+            f"{dist.get_world_size()} ranks"
+        )
+    cpu_platform.enable()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.virtual_stages > 1 else None,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+        distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
+    )
+
+
+def destroy() -> None:
+    """Tear down Megatron's process groups (the default group stays)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()

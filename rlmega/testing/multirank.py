@@ -1,0 +1,152 @@
+"""Run a function on N gloo ranks in spawned processes, with a hard timeout.
+
+    results = run_on_ranks(body, world_size=4, timeout_s=120, args=(layout,))
+
+``body(rank, world_size, *args)`` runs in a fresh process with ``torch.distributed`` initialised
+over gloo and the CPU platform enabled; its return values come back as a list indexed by rank.
+The first rank that raises or dies fails the whole run with that rank's traceback; every other
+rank is then killed, so no process outlives the call.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+_POLL_S = 0.05
+_KILL_GRACE_S = 5.0
+
+
+class RankFailure(RuntimeError):
+    """A rank raised, died or did not finish in time."""
+
+    def __init__(self, rank: int, detail: str):
+        super().__init__(f"rank {rank} failed:\n{detail}")
+        self.rank = rank
+        self.detail = detail
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(body, rank, world_size, port, collective_timeout_s, args, results):
+    os.setpgrp()  # own process group: stopping the rank also stops whatever it started
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+    )
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from rlmega.parallel import cpu_platform
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        cpu_platform.enable()
+        dist.init_process_group(
+            "gloo",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=collective_timeout_s),
+        )
+        # Plain pickle copies tensors by value; torch's shared-memory reductions would die with
+        # the rank's process.
+        value = pickle.dumps(body(rank, world_size, *args))
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent with its traceback
+        results.put((rank, False, traceback.format_exc()))
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception:  # the result is already delivered; teardown noise must not mask it
+        pass
+
+
+def _signal_group(proc: mp.Process, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop(processes: Sequence[mp.Process]) -> None:
+    """Stop every rank and its children (each rank leads its own process group)."""
+    for proc in processes:
+        _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + _KILL_GRACE_S
+    for proc in processes:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in processes:
+        _signal_group(proc, signal.SIGKILL)
+        proc.join()
+
+
+def run_on_ranks(
+    body: Callable[..., Any],
+    world_size: int,
+    *,
+    timeout_s: float = 120.0,
+    args: tuple = (),
+) -> list:
+    """Run ``body(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
+
+    ``body`` and ``args`` must be picklable (a module-level function). Returns the per-rank return
+    values. Raises RankFailure naming the first rank that raised, exited without a result, or was
+    still running when ``timeout_s`` ran out.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    # Collectives time out a little before the harness does, so a hung rank reports itself.
+    collective_timeout_s = max(5.0, timeout_s * 0.8)
+    processes = [
+        ctx.Process(
+            target=_rank_main,
+            args=(body, rank, world_size, port, collective_timeout_s, args, results),
+            name=f"rank{rank}",
+            daemon=False,  # ranks may start helper processes (dist_checkpointing does)
+        )
+        for rank in range(world_size)
+    ]
+    for proc in processes:
+        proc.start()
+    values: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(values) < world_size:
+            while not results.empty():
+                rank, ok, value = results.get()
+                if not ok:
+                    raise RankFailure(rank, value)
+                values[rank] = pickle.loads(value)
+            if len(values) == world_size:
+                break
+            for rank, proc in enumerate(processes):
+                if rank not in values and proc.exitcode is not None and results.empty():
+                    raise RankFailure(
+                        rank, f"process exited with code {proc.exitcode} before returning a result"
+                    )
+            if time.monotonic() > deadline:
+                pending = sorted(set(range(world_size)) - set(values))
+                raise RankFailure(
+                    pending[0], f"still running after {timeout_s:.0f}s (ranks {pending} unfinished)"
+                )
+            time.sleep(_POLL_S)
+    finally:
+        _stop(processes)
+    return [values[rank] for rank in range(world_size)]

@@ -1,0 +1,41 @@
+"""rlmega: reinforcement-learning post-training of large language models on Megatron-Core."""
+
+from setuptools import find_packages, setup
+
+# Ranges are the ones tested; megatron-core 0.16 is the newest release for Python 3.11 and the one
+# rlmega.parallel.cpu_platform was audited against.
+INSTALL_REQUIRES = [
+    "torch>=2.6,<2.14",
+    "megatron-core>=0.16.0,<0.17",
+    "transformers>=5.0,<6",
+    "ray[default]>=2.40,<3",
+    "hydra-core>=1.3.2,<1.4",
+    "safetensors>=0.5,<0.9",
+    "numpy>=1.26,<3",
+    "pyarrow>=16,<27",
+    "rich>=13,<16",
+    "tqdm>=4.66,<5",
+    "psutil>=5.9",  # dist_checkpointing's writer processes require it
+]
+
+EXTRAS_REQUIRE = {
+    # apex is built from NVIDIA's source on GPU clusters (see README); the PyPI "apex" is unrelated.
+    "gpu": ["transformer-engine[pytorch]>=2.4,<2.9"],
+    "vllm": ["vllm>=0.11,<0.12"],
+    "sglang": ["sglang>=0.5.3,<0.6"],
+    "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "hypothesis>=6.100,<7"],
+}
+
+setup(
+    name="rlmega",
+    version="0.1.0",
+    description="Reinforcement-learning post-training of large language models on Megatron-Core",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["rlmega", "rlmega.*", "converters", "converters.*"]),
+    include_package_data=True,
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS_REQUIRE,
+    entry_points={"console_scripts": ["rlmega=rlmega.cli.main:main"]},
+)
