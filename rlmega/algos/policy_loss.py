@@ -1,0 +1,387 @@
+"""Policy-gradient losses (PPO family, GSPO, CISPO), entropy bonus and rollout/trainer IS correction.
+
+Log-probabilities, all ``[B, T]`` log pi(y_t | y_<t) of the sampled tokens:
+
+- ``logp``: current policy, being optimised (carries the gradient).
+- ``old_logp``: the trainer's recomputation under the policy that generated the batch (behaviour
+  policy of the PPO ratio ``r_t = exp(logp - old_logp)``); treated as a constant (detached).
+- ``rollout_logp``: as reported by the inference engine (vLLM/SGLang) at generation time. It differs
+  from ``old_logp`` through kernels/precision; ``truncated_importance_weights`` corrects for it.
+
+Sign convention: every function returns a loss to *minimise*; a positive advantage lowers the loss
+when ``logp`` rises. Advantages are constants (detached).
+
+Each policy loss returns ``(loss, metrics)``: the loss is a 0-dim tensor aggregated by
+``rlmega.algos.aggregation.aggregate_loss`` (keyword arguments ``loss_agg_mode``,
+``global_denominators``, ``norm_horizon``; see that module for the micro-batch/DP contract), the
+metrics a dict of detached 0-dim tensors computed over this call's valid tokens (for logging;
+average them over micro-batches as you like):
+
+- ``ppo_kl``: mean of ``old_logp - logp`` (k1 estimate of KL(old || current)).
+- ``pg_clipfrac``: fraction of tokens whose ratio was clipped (``_high`` / ``_low``: by which bound).
+- ``pg_clipfrac_lower``: dual-clip only, fraction of tokens where the ``clip_ratio_c`` bound is active.
+
+All log-ratio arithmetic happens after masking, so padding (even inf/nan) never reaches the loss,
+the metrics or the gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from rlmega.algos._utils import check_response_mask, check_same_shape, masked_mean, zero_masked
+from rlmega.algos.aggregation import LossDenominators, aggregate_loss
+
+Metrics = dict[str, torch.Tensor]
+
+
+def _check_policy_inputs(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is_weights: Optional[torch.Tensor],
+) -> torch.Tensor:
+    tensors = dict(logp=logp, old_logp=old_logp, advantages=advantages, response_mask=response_mask)
+    if rollout_is_weights is not None:
+        tensors["rollout_is_weights"] = rollout_is_weights
+    check_same_shape(**tensors)
+    return check_response_mask(response_mask)
+
+
+def _check_clip_ratios(clip_ratio_low: Optional[float], clip_ratio_high: float) -> None:
+    if clip_ratio_low is not None and not 0.0 <= clip_ratio_low < 1.0:
+        raise ValueError(f"clip_ratio_low must be in [0, 1), got {clip_ratio_low}")
+    if clip_ratio_high < 0.0:
+        raise ValueError(f"clip_ratio_high must be >= 0, got {clip_ratio_high}")
+
+
+def _clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``max(-A r, -A clip(r, 1 - low, 1 + high))`` per token, and where each bound is active.
+
+    A bound is active exactly where the clipped term wins, i.e. where the token gets no gradient:
+    above ``1 + high`` with ``A > 0``, or below ``1 - low`` with ``A < 0``.
+    """
+    unclipped_loss = -advantages * ratio
+    clipped_loss = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    clipped_high = (ratio > 1.0 + clip_ratio_high) & (advantages > 0)
+    clipped_low = (ratio < 1.0 - clip_ratio_low) & (advantages < 0)
+    return torch.maximum(unclipped_loss, clipped_loss), clipped_high, clipped_low
+
+
+def _clip_metrics(
+    log_ratio: torch.Tensor, clipped_high: torch.Tensor, clipped_low: torch.Tensor, mask: torch.Tensor
+) -> Metrics:
+    """``ppo_kl`` and clip fractions over the valid tokens; ``log_ratio = logp - old_logp``."""
+    return {
+        "ppo_kl": masked_mean(-log_ratio, mask),
+        "pg_clipfrac": masked_mean((clipped_high | clipped_low).to(log_ratio.dtype), mask),
+        "pg_clipfrac_high": masked_mean(clipped_high.to(log_ratio.dtype), mask),
+        "pg_clipfrac_low": masked_mean(clipped_low.to(log_ratio.dtype), mask),
+    }
+
+
+def _reduce(
+    per_token_loss: torch.Tensor,
+    mask: torch.Tensor,
+    rollout_is_weights: Optional[torch.Tensor],
+    loss_agg_mode: str,
+    global_denominators: Optional[LossDenominators],
+    norm_horizon: Optional[float],
+) -> torch.Tensor:
+    """Apply the (detached) rollout IS weights per token, then aggregate."""
+    if rollout_is_weights is not None:
+        per_token_loss = per_token_loss * zero_masked(rollout_is_weights.detach(), mask)
+    return aggregate_loss(
+        per_token_loss,
+        mask,
+        loss_agg_mode,
+        global_denominators=global_denominators,
+        norm_horizon=norm_horizon,
+    )
+
+
+def ppo_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: Optional[float] = None,
+    clip_ratio_c: Optional[float] = None,
+    loss_agg_mode: str = "token-mean",
+    global_denominators: Optional[LossDenominators] = None,
+    norm_horizon: Optional[float] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """PPO clipped surrogate (Schulman et al. 2017, arXiv:1707.06347), optionally asymmetric and dual-clipped.
+
+    With ``r_t = exp(logp_t - old_logp_t)`` and advantage ``A_t``:
+
+        L_t = max(-A_t r_t, -A_t clip(r_t, 1 - clip_ratio_low, 1 + clip_ratio_high))
+
+    ``clip_ratio_high`` defaults to ``clip_ratio_low`` (symmetric PPO); a larger value is DAPO's
+    clip-higher (Yu et al. 2025, arXiv:2503.14476). With ``clip_ratio_c`` (dual clip, Ye et al.
+    2020, arXiv:1912.09729), tokens with ``A_t < 0`` are additionally bounded:
+    ``L_t = min(L_t, -A_t * clip_ratio_c)``, so a huge ratio cannot produce an unbounded loss.
+
+    Args:
+        logp, old_logp, advantages, response_mask: ``[B, T]``.
+        clip_ratio_low, clip_ratio_high, clip_ratio_c: see above; ``clip_ratio_c`` must exceed 1.
+        loss_agg_mode, global_denominators, norm_horizon: passed to ``aggregate_loss``.
+        rollout_is_weights: optional ``[B, T]`` per-token weights (e.g. from
+            ``truncated_importance_weights``), detached and multiplied into ``L_t``.
+
+    Returns:
+        ``(loss, metrics)`` with metrics ``ppo_kl``, ``pg_clipfrac``, ``pg_clipfrac_high``,
+        ``pg_clipfrac_low`` and, with dual clip, ``pg_clipfrac_lower``.
+    """
+    mask = _check_policy_inputs(logp, old_logp, advantages, response_mask, rollout_is_weights)
+    clip_ratio_high = clip_ratio_low if clip_ratio_high is None else clip_ratio_high
+    _check_clip_ratios(clip_ratio_low, clip_ratio_high)
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
+
+    log_ratio = zero_masked(logp - old_logp.detach(), mask)
+    ratio = torch.exp(log_ratio)
+    advantages = zero_masked(advantages.detach(), mask)
+    per_token_loss, clipped_high, clipped_low = _clipped_surrogate(
+        ratio, advantages, clip_ratio_low, clip_ratio_high
+    )
+    metrics = _clip_metrics(log_ratio, clipped_high, clipped_low, mask)
+    if clip_ratio_c is not None:
+        dual_bound = -advantages * clip_ratio_c
+        dual_clipped = (advantages < 0) & (per_token_loss > dual_bound)
+        per_token_loss = torch.where(dual_clipped, dual_bound, per_token_loss)
+        metrics["pg_clipfrac_lower"] = masked_mean(dual_clipped.to(logp.dtype), mask)
+
+    loss = _reduce(per_token_loss, mask, rollout_is_weights, loss_agg_mode, global_denominators, norm_horizon)
+    return loss, {name: value.detach() for name, value in metrics.items()}
+
+
+def clip_higher_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.28,
+    **aggregation_and_weights: Any,
+) -> tuple[torch.Tensor, Metrics]:
+    """DAPO clip-higher (Yu et al. 2025, arXiv:2503.14476): ``ppo_policy_loss`` with the paper's
+    decoupled defaults ``eps_low = 0.2``, ``eps_high = 0.28``. Shapes ``[B, T]``; keyword arguments
+    ``loss_agg_mode``, ``global_denominators``, ``norm_horizon``, ``rollout_is_weights`` and
+    ``clip_ratio_c`` are passed through."""
+    return ppo_policy_loss(
+        logp,
+        old_logp,
+        advantages,
+        response_mask,
+        clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high,
+        **aggregation_and_weights,
+    )
+
+
+def dual_clip_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_c: float = 3.0,
+    **clipping_aggregation_and_weights: Any,
+) -> tuple[torch.Tensor, Metrics]:
+    """Dual-clip PPO (Ye et al. 2020, arXiv:1912.09729): ``ppo_policy_loss`` with ``clip_ratio_c = 3``
+    by default (verl's default). Shapes ``[B, T]``; other keyword arguments are passed through."""
+    return ppo_policy_loss(
+        logp, old_logp, advantages, response_mask, clip_ratio_c=clip_ratio_c, **clipping_aggregation_and_weights
+    )
+
+
+def gspo_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 3e-4,
+    clip_ratio_high: float = 4e-4,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    global_denominators: Optional[LossDenominators] = None,
+    norm_horizon: Optional[float] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """GSPO, Group Sequence Policy Optimization (Zheng et al. 2025, arXiv:2507.18071), GSPO-token form.
+
+    Sequence ratio (geometric mean of the token ratios over the ``n_i`` valid tokens):
+
+        s_i = exp( (1/n_i) sum_t (logp_it - old_logp_it) )
+
+    Token-level form with the paper's stop-gradient (``sg``) trick:
+
+        s_it = sg(s_i) * exp(logp_it - sg(logp_it))         (value s_i, d s_it = s_i d logp_it)
+        L_it = max(-A_it s_it, -A_it clip(s_it, 1 - clip_ratio_low, 1 + clip_ratio_high))
+
+    With ``seq-mean-token-mean`` aggregation (the default, as in the paper) and a per-sequence
+    advantage, the gradient is exactly GSPO's ``s_i A_i (1/n_i) sum_t grad logp_it``. The paper
+    uses the small clip range 3e-4 / 4e-4 (the defaults).
+
+    Args and returns as ``ppo_policy_loss`` (shapes ``[B, T]``); metrics ``ppo_kl``,
+    ``pg_clipfrac``, ``pg_clipfrac_high``, ``pg_clipfrac_low`` are token-weighted fractions.
+    """
+    mask = _check_policy_inputs(logp, old_logp, advantages, response_mask, rollout_is_weights)
+    _check_clip_ratios(clip_ratio_low, clip_ratio_high)
+
+    log_ratio = zero_masked(logp - old_logp.detach(), mask)
+    sequence_log_ratio = log_ratio.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
+    valid_logp = zero_masked(logp, mask)
+    token_log_ratio = sequence_log_ratio.detach().unsqueeze(-1) + (valid_logp - valid_logp.detach())
+    ratio = torch.exp(token_log_ratio)
+    advantages = zero_masked(advantages.detach(), mask)
+    per_token_loss, clipped_high, clipped_low = _clipped_surrogate(
+        ratio, advantages, clip_ratio_low, clip_ratio_high
+    )
+    metrics = _clip_metrics(log_ratio, clipped_high, clipped_low, mask)
+    loss = _reduce(per_token_loss, mask, rollout_is_weights, loss_agg_mode, global_denominators, norm_horizon)
+    return loss, {name: value.detach() for name, value in metrics.items()}
+
+
+def cispo_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: Optional[float] = None,
+    clip_ratio_high: float = 0.28,
+    loss_agg_mode: str = "token-mean",
+    global_denominators: Optional[LossDenominators] = None,
+    norm_horizon: Optional[float] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """CISPO, clipped IS-weight policy optimisation (MiniMax-M1, MiniMax 2025, arXiv:2506.13585).
+
+    The IS weight is clipped and detached, and multiplies a REINFORCE term, so every token keeps a
+    gradient (PPO drops clipped tokens entirely):
+
+        w_t = sg(clip(r_t, 1 - clip_ratio_low, 1 + clip_ratio_high)),   r_t = exp(logp_t - old_logp_t)
+        L_t = -w_t A_t exp(logp_t - sg(logp_t))
+
+    ``exp(logp - sg(logp))`` is 1 in value with gradient ``grad logp``, so ``grad L_t`` is the paper's
+    ``-w_t A_t grad logp_t`` while the loss value is ``-w_t A_t``, directly comparable to PPO's.
+    ``clip_ratio_low=None`` applies no lower bound (the paper only tunes the upper one). The paper
+    does not publish its upper bound; 0.28 (DAPO's eps_high) is our choice of default.
+
+    Args and returns as ``ppo_policy_loss`` (shapes ``[B, T]``); metrics ``ppo_kl``,
+    ``pg_clipfrac``, ``pg_clipfrac_high``, ``pg_clipfrac_low`` count tokens whose weight was clipped.
+    """
+    mask = _check_policy_inputs(logp, old_logp, advantages, response_mask, rollout_is_weights)
+    _check_clip_ratios(clip_ratio_low, clip_ratio_high)
+
+    log_ratio = zero_masked(logp - old_logp.detach(), mask)
+    ratio = torch.exp(log_ratio).detach()
+    lower_bound = None if clip_ratio_low is None else 1.0 - clip_ratio_low
+    weights = ratio.clamp(min=lower_bound, max=1.0 + clip_ratio_high)
+    valid_logp = zero_masked(logp, mask)
+    per_token_loss = -zero_masked(advantages.detach(), mask) * weights * torch.exp(valid_logp - valid_logp.detach())
+
+    clipped_high = ratio > 1.0 + clip_ratio_high
+    clipped_low = ratio < lower_bound if lower_bound is not None else torch.zeros_like(mask)
+    metrics = _clip_metrics(log_ratio, clipped_high, clipped_low, mask)
+    loss = _reduce(per_token_loss, mask, rollout_is_weights, loss_agg_mode, global_denominators, norm_horizon)
+    return loss, {name: value.detach() for name, value in metrics.items()}
+
+
+def truncated_importance_weights(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    cap: float = 2.0,
+) -> tuple[torch.Tensor, Metrics]:
+    """Truncated importance sampling (TIS) for the rollout-engine vs trainer probability mismatch.
+
+        w_t = min(exp(old_logp_t - rollout_logp_t), cap)       detached, 0 on masked tokens
+
+    Tokens were sampled by the inference engine (``rollout_logp``) but the objective is defined under
+    the trainer's behaviour policy (``old_logp``); ``w_t`` reweights each token and the cap bounds
+    the variance (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+    Training"; Ionides 2008 for truncated IS). Pass ``w`` as ``rollout_is_weights`` to a policy loss.
+
+    Args:
+        old_logp, rollout_logp, response_mask: ``[B, T]``. cap: truncation level C > 0.
+
+    Returns:
+        ``(weights [B, T], metrics)``; metrics ``tis_weight_mean`` (of the truncated weights) and
+        ``tis_clipfrac`` (fraction of valid tokens whose weight was truncated).
+    """
+    check_same_shape(old_logp=old_logp, rollout_logp=rollout_logp, response_mask=response_mask)
+    mask = check_response_mask(response_mask)
+    if cap <= 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    raw_weights = torch.exp(zero_masked(old_logp - rollout_logp, mask)).detach()
+    weights = zero_masked(raw_weights.clamp(max=cap), mask)
+    metrics: Metrics = {
+        "tis_weight_mean": masked_mean(weights, mask),
+        "tis_clipfrac": masked_mean((raw_weights > cap).to(weights.dtype), mask),
+    }
+    return weights, metrics
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the softmax over the last dimension: ``H = -sum_v p_v log p_v``, ``p = softmax(z)``.
+
+    Shapes: logits ``[B, T, V]`` -> ``[B, T]``. Differentiable. ``-inf`` logits (masked or padded
+    vocabulary entries) have ``p_v = 0`` and contribute 0.
+    """
+    log_probabilities = torch.log_softmax(logits, dim=-1)
+    probabilities = log_probabilities.exp()
+    # Select before multiplying: 0 * -inf would be nan, in the value and in the gradient.
+    finite_log_probabilities = torch.where(probabilities > 0, log_probabilities, torch.zeros_like(log_probabilities))
+    return -(probabilities * finite_log_probabilities).sum(dim=-1)
+
+
+def entropy_bonus(
+    entropy: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    coef: float,
+    loss_agg_mode: str = "token-mean",
+    global_denominators: Optional[LossDenominators] = None,
+    norm_horizon: Optional[float] = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """Entropy bonus as a loss term to add to the policy loss: ``-coef * aggregate(H)``.
+
+    Minimising it raises the entropy (Williams & Peng 1991; Mnih et al. 2016). Aggregated like the
+    policy loss, so the same micro-batch/DP contract holds.
+
+    Args:
+        entropy: ``[B, T]`` per-token entropy (e.g. ``entropy_from_logits``). response_mask: ``[B, T]``.
+        coef: bonus coefficient (0 disables it, as verl's default ``entropy_coeff=0``).
+
+    Returns:
+        ``(loss, metrics)`` with metric ``entropy``, the mean over this call's valid tokens.
+    """
+    check_same_shape(entropy=entropy, response_mask=response_mask)
+    mask = check_response_mask(response_mask)
+    aggregated = aggregate_loss(
+        entropy, mask, loss_agg_mode, global_denominators=global_denominators, norm_horizon=norm_horizon
+    )
+    return -coef * aggregated, {"entropy": masked_mean(entropy, mask).detach()}
+
+
+POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, Metrics]]] = {
+    "ppo": ppo_policy_loss,
+    "vanilla": ppo_policy_loss,
+    "clip_higher": clip_higher_policy_loss,
+    "dual_clip": dual_clip_policy_loss,
+    "gspo": gspo_policy_loss,
+    "cispo": cispo_policy_loss,
+}
