@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -262,7 +263,12 @@ def enable() -> bool:
         return True
     if not cpu_platform_needed():
         return False
-    import megatron.core
+    with warnings.catch_warnings():
+        # Megatron says on import that TE and apex are missing: expected on CPU, `rlmega doctor` reports it.
+        warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (is|are) not installed")
+        import megatron.core
+        import megatron.core.optimizer  # noqa: F401 - warns on first import too
+        import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
 
     check_mcore_version(megatron.core.__version__)
     _patch_torch_cuda()

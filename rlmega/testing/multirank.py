@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 _POLL_S = 0.05
 _KILL_GRACE_S = 5.0
+_SETTLE_S = 1.0
 
 
 class RankFailure(RuntimeError):
@@ -126,27 +127,44 @@ def run_on_ranks(
     for proc in processes:
         proc.start()
     values: dict[int, Any] = {}
+    errors: dict[int, str] = {}  # in arrival order
+    dead: dict[int, int] = {}
     deadline = time.monotonic() + timeout_s
+    settle_deadline = None
+
+    def drain():
+        while not results.empty():
+            rank, ok, payload = results.get()
+            if ok:
+                values[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
+
     try:
         while len(values) < world_size:
-            while not results.empty():
-                rank, ok, value = results.get()
-                if not ok:
-                    raise RankFailure(rank, value)
-                values[rank] = pickle.loads(value)
-            if len(values) == world_size:
-                break
-            for rank, proc in enumerate(processes):
-                if rank not in values and proc.exitcode is not None and results.empty():
-                    raise RankFailure(
-                        rank, f"process exited with code {proc.exitcode} before returning a result"
-                    )
-            if time.monotonic() > deadline:
+            drain()
+            exited = [r for r, p in enumerate(processes) if p.exitcode is not None]
+            drain()  # a rank's message is written before it exits: read it before calling it dead
+            for rank in exited:
+                if rank not in values and rank not in errors:
+                    dead.setdefault(rank, processes[rank].exitcode)
+            if errors or dead:
+                # Peers of a failed rank fail too, a moment later; wait briefly to name the cause.
+                settle_deadline = settle_deadline or time.monotonic() + _SETTLE_S
+                if time.monotonic() >= settle_deadline:
+                    break
+            elif time.monotonic() > deadline:
                 pending = sorted(set(range(world_size)) - set(values))
                 raise RankFailure(
                     pending[0], f"still running after {timeout_s:.0f}s (ranks {pending} unfinished)"
                 )
             time.sleep(_POLL_S)
+        if dead:
+            rank = min(dead)
+            raise RankFailure(rank, f"process exited with code {dead[rank]} before returning a result")
+        if errors:
+            rank = next(iter(errors))
+            raise RankFailure(rank, errors[rank])
     finally:
         _stop(processes)
     return [values[rank] for rank in range(world_size)]

@@ -146,7 +146,7 @@ def make_batches(num_microbatches: int, micro_batch_size: int, seed: int = 7) ->
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     # Megatron averages the returned loss over micro-batches; this is the mean over one.
     loss = (output_tensor.float() * loss_mask).sum() / loss_mask.sum()
-    return loss, {"lm loss": loss.detach()}
+    return loss, {"lm loss": loss.detach().clone()}  # Megatron rescales `loss` in place
 
 
 def _forward_step(data_iterator: Iterator, model):
@@ -157,13 +157,26 @@ def _forward_step(data_iterator: Iterator, model):
     return output, functools.partial(_loss_func, torch.ones_like(batch["labels"], dtype=torch.float))
 
 
+def zero_grads(chunks: list, optimizer=None) -> None:
+    """Clear the DDP gradient buffers and the optimizer's ``param.grad`` views of them.
+
+    Both are needed: after a step ``param.grad`` aliases the buffer, and autograd would accumulate
+    into it on top of DDP's own accumulation.
+    """
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    if optimizer is not None:
+        optimizer.zero_grad()
+
+
 def forward_backward(chunks: list, batches: list[dict], forward_only: bool = False) -> Optional[float]:
-    """One pass of Megatron's schedule over ``batches``; the mean loss on the last stage, else None."""
+    """One pass of Megatron's schedule over ``batches``; the mean loss on the last stage, else None.
+
+    Gradients accumulate: call ``zero_grads`` first to start a new step.
+    """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    for chunk in chunks:
-        chunk.zero_grad_buffer()
     iterators = [iter(batches) for _ in chunks]
     losses = get_forward_backward_func()(
         forward_step_func=_forward_step,
@@ -177,6 +190,14 @@ def forward_backward(chunks: list, batches: list[dict], forward_only: bool = Fal
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
     return float(sum(item["lm loss"] for item in losses) / len(losses))
+
+
+def train_step(chunks: list, optimizer, batches: list[dict]) -> tuple[Optional[float], float]:
+    """Zero, forward-backward, optimizer step: (mean loss on the last stage or None, grad norm)."""
+    zero_grads(chunks, optimizer)
+    loss = forward_backward(chunks, batches)
+    _, grad_norm, _ = optimizer.step()
+    return loss, grad_norm
 
 
 def _sharded_state_dict(chunks: list) -> dict:

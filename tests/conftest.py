@@ -1,0 +1,13 @@
+"""Shared pytest set-up: GPU-only tests are skipped, with their reason, where CUDA is absent."""
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="GPU-only: needs CUDA, which this machine does not have")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

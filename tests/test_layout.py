@@ -1,0 +1,66 @@
+"""ParallelLayout validation: impossible layouts fail at start-up naming the numbers."""
+
+import pytest
+
+from rlmega.parallel.layout import LayoutError, ParallelLayout
+
+
+def test_dp_is_derived_from_world_size():
+    layout = ParallelLayout(tp=2, pp=2, world_size=8)
+    assert layout.dp == 2
+    assert layout.expert_dp == 2  # etp follows tp without ep: 8 / (pp 2 * ep 1 * etp 2)
+
+
+def test_expert_layout_refolds_the_same_ranks():
+    layout = ParallelLayout(tp=2, ep=4, world_size=8)
+    assert (layout.dp, layout.expert_tp, layout.expert_dp) == (4, 1, 2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(tp=2, pp=2, world_size=6), "world size 6 is not divisible by tp*cp*pp = 2*1*2 = 4"),
+        (dict(tp=3, world_size=4), "world size 4 is not divisible by tp*cp*pp = 3*1*1 = 3"),
+        (dict(pp=1, vpp=2, world_size=2), "vpp=2 needs pipeline parallelism, but pp=1"),
+        (dict(ep=4, world_size=2), "ep*etp = 4*1 must divide tp*cp*dp = 1*1*2 = 2"),
+        (dict(tp=0, world_size=2), "tp=0 must be at least 1"),
+    ],
+)
+def test_impossible_world_layouts_name_their_numbers(kwargs, message):
+    with pytest.raises(LayoutError) as error:
+        ParallelLayout(**kwargs)
+    assert str(error.value) == message
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "layout, model, message",
+    [
+        (dict(tp=3, world_size=3), dict(num_attention_heads=4), "num_attention_heads=4 is not divisible by tp=3"),
+        (dict(tp=4, world_size=4), dict(num_attention_heads=8, num_query_groups=2),
+         "num_query_groups=2 is not divisible by tp=4"),
+        (dict(pp=2, vpp=2, world_size=2), dict(num_attention_heads=4, num_layers=6),
+         "num_layers=6 is not divisible by pp*vpp = 2*2 = 4"),
+        (dict(ep=2, world_size=2), dict(num_attention_heads=4, num_experts=3),
+         "num_experts=3 is not divisible by ep=2"),
+        (dict(ep=2, world_size=2), dict(num_attention_heads=4), "ep=2 needs a MoE model, but the model has no experts"),
+        (dict(cp=2, world_size=2), dict(num_attention_heads=4),
+         "cp=2 needs transformer-engine (GPU only), which is not installed; use cp=1"),
+    ],
+)
+def test_model_mismatches_name_their_numbers(layout, model, message):
+    model.setdefault("num_layers", 4)
+    with pytest.raises(LayoutError) as error:
+        ParallelLayout(**layout).check_model(**model)
+    assert str(error.value) == message
+
+
+def test_context_parallel_is_accepted_with_transformer_engine():
+    ParallelLayout(cp=2, world_size=2).check_model(
+        num_layers=4, num_attention_heads=4, has_transformer_engine=True
+    )
+
+
+def test_describe_lists_every_degree():
+    text = ParallelLayout(tp=2, pp=2, vpp=2, world_size=8).describe()
+    assert text == "tp=2 pp=2 vpp=2 cp=1 ep=1 etp=2 dp=2 (world 8)"

@@ -1,0 +1,84 @@
+"""The multi-rank harness: results per rank, and failures that name the rank and never leave orphans."""
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlmega.testing.multirank import RankFailure, run_on_ranks
+
+
+def _all_reduce_rank(rank, world_size):
+    value = torch.tensor([float(rank + 1)])
+    dist.all_reduce(value)
+    return rank, world_size, value.item()
+
+
+def _raise_on_rank_one(rank, world_size):
+    if rank == 1:
+        raise ValueError("bad shard on purpose")
+    dist.barrier()  # rank 0 waits for a peer that is gone
+    return rank
+
+
+def _die_on_rank_one(rank, world_size):
+    if rank == 1:
+        os._exit(3)
+    dist.barrier()
+    return rank
+
+
+def _sleep_with_child(rank, world_size, pid_file):
+    # A grandchild that would outlive a careless harness.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(f"{pid_file}.{rank}", "w") as handle:
+        handle.write(str(child.pid))
+    time.sleep(600)
+
+
+def test_results_come_back_per_rank():
+    results = run_on_ranks(_all_reduce_rank, 2, timeout_s=60)
+    assert results == [(0, 2, 3.0), (1, 2, 3.0)]
+
+
+def test_raising_rank_is_reported_with_its_traceback():
+    started = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        run_on_ranks(_raise_on_rank_one, 2, timeout_s=60)
+    assert failure.value.rank == 1
+    assert "ValueError: bad shard on purpose" in failure.value.detail
+    assert "_raise_on_rank_one" in failure.value.detail  # the traceback, not just the message
+    assert time.monotonic() - started < 60
+
+
+def test_dead_rank_fails_the_run_naming_it():
+    with pytest.raises(RankFailure) as failure:
+        run_on_ranks(_die_on_rank_one, 2, timeout_s=60)
+    assert failure.value.rank == 1
+    assert "exited with code 3" in str(failure.value)
+
+
+def test_hung_ranks_time_out_and_leave_no_processes(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    started = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        run_on_ranks(_sleep_with_child, 2, timeout_s=8, args=(str(pid_file),))
+    assert "still running after 8s" in str(failure.value)
+    assert time.monotonic() - started < 30
+    grandchildren = [int(path.read_text()) for path in tmp_path.glob("child.pid.*")]
+    assert len(grandchildren) == 2
+    time.sleep(0.5)
+    alive = [pid for pid in grandchildren if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert alive == []
+    leftover = [
+        child for child in psutil.Process().children(recursive=True)
+        if child.status() != psutil.STATUS_ZOMBIE
+        # multiprocessing's resource tracker belongs to this test process, not to a rank
+        and "resource_tracker" not in " ".join(child.cmdline())
+    ]
+    assert leftover == []
