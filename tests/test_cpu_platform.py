@@ -1,0 +1,161 @@
+"""The CPU platform: each redirect of Megatron's CUDA-only calls does what its comment says.
+
+Tests that need the process-wide redirects run in a spawned rank, so this pytest process keeps
+plain torch.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlmega.parallel import cpu_platform
+from rlmega.parallel.cpu_platform import CudaAsCpu, check_mcore_version
+from rlmega.testing.multirank import run_on_ranks
+
+
+def test_cuda_devices_become_cpu_inside_the_mode():
+    with CudaAsCpu():
+        made = [
+            torch.zeros(2, device="cuda"),
+            torch.ones(2, device=torch.device("cuda", 0)),
+            torch.empty(2, device=0),
+            torch.tensor([1.0], device="cuda:0"),
+            torch.arange(3).to("cuda"),
+            torch.arange(3).to(device=0),
+            torch.arange(3).cuda(),
+            torch.zeros(2, pin_memory=True),
+        ]
+        type_name = torch.zeros(1).type()
+        half_name = torch.zeros(1, dtype=torch.bfloat16).type()
+    assert all(t.device.type == "cpu" for t in made)
+    assert type_name == "torch.cuda.FloatTensor"  # what Megatron's optimizer checks for
+    assert half_name == "torch.cuda.BFloat16Tensor"
+    assert torch.zeros(1).type() == "torch.FloatTensor"  # nothing leaks outside the mode
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.zeros(1, device="cuda")
+
+
+def test_only_audited_megatron_versions_are_accepted():
+    check_mcore_version("0.16.1")
+    check_mcore_version("0.16.0rc0")
+    for version in ("0.15.3", "0.17.0", "1.0.0"):
+        with pytest.raises(RuntimeError, match=rf"checked on megatron-core 0\.16\.x, not {version}"):
+            check_mcore_version(version)
+
+
+def test_enable_does_nothing_when_cuda_is_available(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    current_device = torch.cuda.current_device
+    assert cpu_platform.enable() is False
+    assert not cpu_platform.is_enabled()
+    assert torch.cuda.current_device is current_device
+
+
+@pytest.mark.gpu
+def test_gpu_megatron_runs_untouched():
+    """On a GPU machine enable() is a no-op and Megatron allocates on the real device."""
+    assert cpu_platform.enable() is False
+    assert torch.zeros(1, device="cuda").is_cuda
+
+
+class _DoubleWithCudaBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * torch.full((1,), 2.0, device="cuda")  # as Megatron's custom Functions do
+
+
+def _backward_allocates_on_cuda(rank, world_size):
+    x = torch.ones(3, requires_grad=True)
+    _DoubleWithCudaBackward.apply(x).sum().backward()
+    return x.grad.tolist()
+
+
+def test_custom_backward_sees_the_redirect():
+    # Autograd runs backward() without the caller's modes; the platform re-enters them there.
+    assert run_on_ranks(_backward_allocates_on_cuda, 1, timeout_s=60) == [[2.0, 2.0, 2.0]]
+
+
+def _cuda_stand_ins(rank, world_size):
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        stream.wait_stream(torch.cuda.current_stream())
+    event = stream.record_event()
+    event.synchronize()
+    torch.cuda.synchronize()
+    torch.zeros(1).record_stream(stream)
+    return torch.cuda.current_device(), torch.cuda.current_stream() == stream
+
+
+def test_cuda_runtime_calls_have_cpu_meanings():
+    assert run_on_ranks(_cuda_stand_ins, 1, timeout_s=60) == [(0, True)]
+
+
+def _rng_tracker_streams(rank, world_size):
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    from rlmega.parallel.layout import ParallelLayout, initialize
+
+    initialize(ParallelLayout())
+    torch.manual_seed(5)
+    model_parallel_cuda_manual_seed(123)
+    tracker = get_cuda_rng_tracker()
+    before = torch.get_rng_state()
+    with tracker.fork():
+        first = torch.rand(4)
+    assert torch.equal(torch.get_rng_state(), before), "fork must restore the default stream"
+    with tracker.fork():
+        second = torch.rand(4)
+    expected = torch.rand(8, generator=torch.Generator().manual_seed(123 + 2718))  # tp rank 0 seed
+    return torch.equal(torch.cat([first, second]), expected), type(tracker).__name__
+
+
+def test_rng_tracker_forks_named_cpu_streams():
+    assert run_on_ranks(_rng_tracker_streams, 1, timeout_s=60) == [(True, "CpuRNGStatesTracker")]
+
+
+def _norm_with_sequence_parallel(rank, world_size):
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=8, num_attention_heads=2, normalization="RMSNorm",
+        tensor_model_parallel_size=2, sequence_parallel=True, use_cpu_initialization=True,
+    )
+    norm = WrappedTorchNorm(config, 8)
+    return type(norm).__name__, [getattr(p, "sequence_parallel", False) for p in norm.parameters()], config.sequence_parallel
+
+
+def test_torch_norm_accepts_sequence_parallel_and_marks_its_weights():
+    assert run_on_ranks(_norm_with_sequence_parallel, 1, timeout_s=60) == [("RMSNorm", [True], True)]
+
+
+def _exchange_both_directions(rank, world_size):
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    peer = 1 - rank
+    activation, gradient = torch.full((2,), 10.0 + rank), torch.full((2,), 20.0 + rank)
+    received_activation, received_gradient = torch.empty(2), torch.empty(2)
+    # Interleaved 1F1B with two stages: each rank sends an activation forward and a gradient back,
+    # and both go to the same peer, which is where gloo's batched pairing swaps them.
+    requests = p2p_communication._batched_p2p_ops(
+        tensor_send_prev=gradient,
+        tensor_recv_prev=received_activation,
+        tensor_send_next=activation,
+        tensor_recv_next=received_gradient,
+        group=dist.group.WORLD,
+        prev_pipeline_rank=peer,
+        next_pipeline_rank=peer,
+    )
+    for request in requests:
+        request.wait()
+    return received_activation.tolist(), received_gradient.tolist()
+
+
+def test_two_stage_pipeline_exchange_keeps_tensors_apart():
+    rank0, rank1 = run_on_ranks(_exchange_both_directions, 2, timeout_s=60)
+    assert rank0 == ([11.0, 11.0], [21.0, 21.0])  # rank 1's activation and gradient, in place
+    assert rank1 == ([10.0, 10.0], [20.0, 20.0])
