@@ -37,16 +37,20 @@ class TinyGPTSpec:
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int = 64
 
+    def check_layout(self, layout: ParallelLayout) -> None:
+        """Raise LayoutError unless this model can be split as ``layout`` says."""
+        layout.check_model(
+            num_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_query_groups=self.num_query_groups,
+            num_experts=self.num_experts,
+        )
+
 
 def transformer_config(spec: TinyGPTSpec, layout: ParallelLayout):
     from megatron.core.transformer import TransformerConfig
 
-    layout.check_model(
-        num_layers=spec.num_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_query_groups=spec.num_query_groups,
-        num_experts=spec.num_experts,
-    )
+    spec.check_layout(layout)
     moe = {}
     if spec.num_experts:
         moe = dict(
@@ -139,6 +143,19 @@ def make_batches(num_microbatches: int, micro_batch_size: int, seed: int = 7) ->
     batches = []
     for _ in range(num_microbatches):
         tokens = torch.randint(0, VOCAB_SIZE, (micro_batch_size, SEQ_LEN + 1), generator=generator)
+        batches.append({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()})
+    return batches
+
+
+def make_counting_batches(num_microbatches: int, micro_batch_size: int, seed: int = 7) -> list[dict]:
+    """Arithmetic sequences modulo the vocabulary (random start and stride): a task the tiny model
+    learns in a few dozen steps, so a falling loss shows that training works."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(num_microbatches):
+        start = torch.randint(0, VOCAB_SIZE, (micro_batch_size, 1), generator=generator)
+        stride = torch.randint(1, 4, (micro_batch_size, 1), generator=generator)
+        tokens = (start + stride * torch.arange(SEQ_LEN + 1)) % VOCAB_SIZE
         batches.append({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()})
     return batches
 

@@ -1,0 +1,1 @@
+"""The ``rlmega`` command line; subcommands are registered in :mod:`rlmega.cli.main`."""

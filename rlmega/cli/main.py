@@ -1,0 +1,62 @@
+"""The ``rlmega`` console entry point: argparse with one subcommand per module.
+
+To add a subcommand, write a module with a one-line ``HELP``, ``add_arguments(parser)`` and
+``run(args) -> exit code``, and register it in ``SUBCOMMANDS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Dict, List, Optional, Tuple
+
+import rlmega
+from rlmega.cli import doctor, quickstart
+
+AddArguments = Callable[[argparse.ArgumentParser], None]
+Run = Callable[[argparse.Namespace], int]
+
+# name -> (one-line help, add_arguments, run); the order here is the order in `rlmega --help`.
+SUBCOMMANDS: Dict[str, Tuple[str, AddArguments, Run]] = {
+    "quickstart": (quickstart.HELP, quickstart.add_arguments, quickstart.run),
+    "doctor": (doctor.HELP, doctor.add_arguments, doctor.run),
+}
+
+DESCRIPTION = (
+    "rlmega: reinforcement-learning post-training of large language models on Megatron-Core.\n"
+    "It runs the same code on GPU clusters and, for development and tests, on CPU-only machines."
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every registered subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="rlmega",
+        description=DESCRIPTION,
+        epilog="Run 'rlmega <command> --help' for the options of one command.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"rlmega {rlmega.__version__}")
+    commands = parser.add_subparsers(
+        title="commands", dest="command", metavar="<command>", required=True
+    )
+    for name, (help_text, add_arguments, run) in SUBCOMMANDS.items():
+        command = commands.add_parser(name, help=help_text, description=help_text)
+        add_arguments(command)
+        command.set_defaults(run=run)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Parse ``argv`` (default: ``sys.argv[1:]``), run the chosen subcommand, return its exit code."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_request:
+        # argparse exits on --help, --version and usage errors; return the code so callers
+        # (tests, other tools) get an exit status from main() in every case.
+        return int(exit_request.code or 0)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
