@@ -64,3 +64,34 @@ def test_context_parallel_is_accepted_with_transformer_engine():
 def test_describe_lists_every_degree():
     text = ParallelLayout(tp=2, pp=2, vpp=2, world_size=8).describe()
     assert text == "tp=2 pp=2 vpp=2 cp=1 ep=1 etp=2 dp=2 (world 8)"
+
+
+def test_initialize_without_a_launcher_says_what_is_missing(monkeypatch):
+    from rlmega.parallel.layout import initialize
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set; launch with torchrun"):
+        initialize(ParallelLayout())
+
+
+def test_initialize_starts_gloo_from_torchrun_variables_and_tears_down():
+    import os
+    import subprocess
+    import sys
+
+    from rlmega.testing.multirank import free_port
+
+    script = (
+        "import torch.distributed as dist\n"
+        "from megatron.core import parallel_state\n"
+        "from rlmega.parallel.layout import ParallelLayout, initialize, destroy\n"
+        "initialize(ParallelLayout())\n"
+        "print(dist.get_backend(), parallel_state.model_parallel_is_initialized())\n"
+        "destroy(including_default_group=True)\n"
+        "print(dist.is_initialized(), parallel_state.model_parallel_is_initialized())\n"
+    )
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["gloo True", "False False"]

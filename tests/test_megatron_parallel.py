@@ -92,13 +92,15 @@ LAYOUTS = {
     "pp2-vpp2": ("dense", dict(pp=2, vpp=2, world_size=2)),
     "dp2": ("dense", dict(world_size=2)),
     "moe-ep2": ("moe", dict(ep=2, world_size=2)),
+    "tp2-sp": ("dense", dict(tp=2, world_size=2), dict(sequence_parallel=True)),
+    "moe-tp2-ep2-sp": ("moe", dict(tp=2, ep=2, world_size=4), dict(sequence_parallel=True)),
 }
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_trains_like_a_single_rank(name, references):
-    model, layout_kwargs = LAYOUTS[name]
-    spec = MOE if model == "moe" else DENSE
+    model, layout_kwargs, *spec_changes = LAYOUTS[name]
+    spec = dataclasses.replace(MOE if model == "moe" else DENSE, **(spec_changes[0] if spec_changes else {}))
     workdir, reference = references[model]
     layout = ParallelLayout(**layout_kwargs)
     results = run_on_ranks(

@@ -8,7 +8,9 @@ Megatron orders ranks ``tp-cp-ep-dp-pp`` (tensor fastest). Dense layers see
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
+import os
 from typing import Optional
 
 import torch
@@ -128,19 +130,23 @@ def default_backend() -> str:
 
 
 def initialize(layout: ParallelLayout, *, timeout_s: float = 300.0) -> None:
-    """Create Megatron's process groups for ``layout``.
+    """Create Megatron's process groups for ``layout``, on NCCL with CUDA and on gloo without.
 
-    Expects ``torch.distributed`` to be initialised already (torchrun, Ray or the test harness do
-    it) with ``world_size`` ranks. On CPU it also enables the platform redirects.
+    Starts ``torch.distributed`` first when nobody has, from the variables torchrun sets (RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT). On CPU it also enables the platform redirects.
     """
     from megatron.core import parallel_state
 
     from rlmega.parallel import cpu_platform
 
     if not dist.is_initialized():
-        raise RuntimeError(
-            "torch.distributed is not initialised; call torch.distributed.init_process_group first"
-        )
+        missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+        if missing:
+            raise RuntimeError(
+                f"torch.distributed is not initialised and {', '.join(missing)} not set; "
+                "launch with torchrun or call torch.distributed.init_process_group first"
+            )
+        dist.init_process_group(default_backend(), timeout=datetime.timedelta(seconds=timeout_s))
     if dist.get_world_size() != layout.world_size:
         raise LayoutError(
             f"layout is for world size {layout.world_size}, but torch.distributed has "
@@ -158,8 +164,10 @@ def initialize(layout: ParallelLayout, *, timeout_s: float = 300.0) -> None:
     )
 
 
-def destroy() -> None:
-    """Tear down Megatron's process groups (the default group stays)."""
+def destroy(*, including_default_group: bool = False) -> None:
+    """Tear down Megatron's process groups, and the default group too when asked."""
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
+    if including_default_group and dist.is_initialized():
+        dist.destroy_process_group()

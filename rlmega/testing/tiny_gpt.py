@@ -36,6 +36,8 @@ class TinyGPTSpec:
     num_experts: Optional[int] = None
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int = 64
+    sequence_parallel: bool = False
+    """Shard activations along the sequence between TP ranks (needs tp > 1; required for MoE with tp > 1)."""
 
     def check_layout(self, layout: ParallelLayout) -> None:
         """Raise LayoutError unless this model can be split as ``layout`` says."""
@@ -79,7 +81,7 @@ def transformer_config(spec: TinyGPTSpec, layout: ParallelLayout):
         virtual_pipeline_model_parallel_size=layout.vpp if layout.virtual_stages > 1 else None,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp,
-        sequence_parallel=False,
+        sequence_parallel=spec.sequence_parallel,
         use_cpu_initialization=True,
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,
