@@ -129,8 +129,9 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def initialize(layout: ParallelLayout, *, timeout_s: float = 300.0) -> None:
-    """Create Megatron's process groups for ``layout``, on NCCL with CUDA and on gloo without.
+def initialize(layout: ParallelLayout, *, timeout_s: float = 300.0, seed: int = 1234) -> None:
+    """Create Megatron's process groups for ``layout``, on NCCL with CUDA and on gloo without,
+    and seed Megatron's per-group RNG streams (dropout, initialisation) from ``seed``.
 
     Starts ``torch.distributed`` first when nobody has, from the variables torchrun sets (RANK,
     WORLD_SIZE, MASTER_ADDR, MASTER_PORT). On CPU it also enables the platform redirects.
@@ -162,6 +163,10 @@ def initialize(layout: ParallelLayout, *, timeout_s: float = 300.0) -> None:
         expert_tensor_parallel_size=layout.expert_tp,
         distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
     )
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
 
 
 def destroy(*, including_default_group: bool = False) -> None:

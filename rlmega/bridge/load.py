@@ -1,0 +1,75 @@
+"""HF safetensors -> a sharded Megatron model; each rank reads only its own slices."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rlmega.bridge.hf_checkpoint import CheckpointError, HFCheckpoint
+from rlmega.bridge.mapping import RuleBook, hf_shapes, shard_from_hf
+from rlmega.bridge.params import gathered_shape, geometry_of, local_params, tp_group_of
+from rlmega.models.spec import ModelSpec
+
+_TIED_EMBEDDING = "model.embed_tokens.weight"
+_LM_HEAD = "lm_head.weight"
+
+
+def _plan(chunks: list, spec: ModelSpec):
+    """[(param, rule, hf names, tp rank, tp size)] for this rank, and {hf name: full shape} it needs."""
+    book, geometry = RuleBook(spec.architecture), geometry_of(spec)
+    plan, needed = [], {}
+    for param in local_params(chunks):
+        rule, names = book.resolve(param.canonical)
+        if param.tied_output:
+            names = (_TIED_EMBEDDING,)
+        _, tp_rank, tp = tp_group_of(param)
+        for name, shape in zip(names, hf_shapes(rule, gathered_shape(param, tp), geometry)):
+            needed[name] = shape
+        plan.append((param, rule, names, tp_rank, tp))
+    return plan, needed
+
+
+def _all_needed(needed: dict) -> dict:
+    """The union over ranks: every rank then checks the whole model and fails the same way."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return needed
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, needed)
+    union = {}
+    for part in gathered:
+        union.update(part)
+    return union
+
+
+def check_checkpoint(checkpoint: HFCheckpoint, needed: dict[str, tuple], tied: bool) -> None:
+    """Raise CheckpointError naming the first missing, unexpected or mis-shaped tensor."""
+    present = checkpoint.keys()
+    for name in sorted(needed):
+        if name not in present:
+            raise CheckpointError(f"checkpoint {checkpoint.directory} is missing {name!r}, which the model config needs")
+    unexpected = sorted(present - set(needed) - ({_LM_HEAD} if tied else set()))
+    if unexpected:
+        raise CheckpointError(
+            f"checkpoint {checkpoint.directory} has {unexpected[0]!r}, which the model config does not use "
+            f"({len(unexpected)} unexpected tensor(s)); is config.json the one these weights were saved with?"
+        )
+    for name in sorted(needed):
+        if checkpoint.shape(name) != tuple(needed[name]):
+            raise CheckpointError(
+                f"{name!r} has shape {list(checkpoint.shape(name))} in {checkpoint.directory}, "
+                f"but the model config implies {list(needed[name])}"
+            )
+
+
+@torch.no_grad()
+def load_hf_weights(chunks: list, spec: ModelSpec, directory: str | Path) -> None:
+    """Fill this rank's Megatron chunks from an HF checkpoint directory (collective over all ranks)."""
+    checkpoint = HFCheckpoint(directory)
+    plan, needed = _plan(chunks, spec)
+    check_checkpoint(checkpoint, _all_needed(needed), spec.tie_word_embeddings)
+    geometry = geometry_of(spec)
+    for param, rule, names, tp_rank, tp in plan:
+        shard = shard_from_hf(rule, checkpoint.read, names, param.tensor.shape, param.partition_dim, tp_rank, tp, geometry)
+        param.tensor.copy_(shard.to(param.tensor.dtype))

@@ -1,0 +1,138 @@
+"""A model as Megatron-Core needs it: ``TransformerConfig`` fields, GPTModel arguments, layer spec.
+
+``ModelSpec`` is what an architecture adapter (``rlmega.models.architectures``) derives from a
+Hugging Face ``config.json``; ``build_chunks`` turns it into this rank's Megatron model chunks for
+a parallel layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+from typing import Any, Optional
+
+import torch
+
+from rlmega.parallel.layout import ParallelLayout
+
+VOCAB_DIVISIBLE_BY = 128
+
+
+def has_transformer_engine() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
+    """Megatron splits the vocabulary evenly over TP ranks: round up to a multiple of divisible_by*tp."""
+    multiple = divisible_by * tp
+    return math.ceil(vocab_size / multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Everything needed to build the Megatron twin of a Hugging Face causal LM."""
+
+    architecture: str
+    """The HF ``architectures`` entry this spec came from."""
+    config: dict[str, Any]
+    """``TransformerConfig`` fields that describe the model (not the parallel layout or dtype)."""
+    vocab_size: int
+    """The HF vocabulary size, before padding for tensor parallelism."""
+    max_sequence_length: int
+    rotary_base: float
+    tie_word_embeddings: bool
+    rope_scaling_factor: Optional[float] = None
+    """Llama-3 style RoPE scaling factor, or None for plain RoPE."""
+
+    @property
+    def num_layers(self) -> int:
+        return self.config["num_layers"]
+
+    @property
+    def num_experts(self) -> Optional[int]:
+        return self.config.get("num_moe_experts")
+
+    def check_layout(self, layout: ParallelLayout) -> None:
+        """Raise LayoutError unless this model can be split as ``layout`` says."""
+        layout.check_model(
+            num_layers=self.num_layers,
+            num_attention_heads=self.config["num_attention_heads"],
+            num_query_groups=self.config.get("num_query_groups"),
+            num_experts=self.num_experts,
+            has_transformer_engine=has_transformer_engine(),
+        )
+
+    def transformer_config(self, layout: ParallelLayout, *, params_dtype: torch.dtype = torch.float32, **overrides):
+        """The Megatron ``TransformerConfig`` for this model in ``layout``."""
+        from megatron.core.transformer import TransformerConfig
+
+        self.check_layout(layout)
+        fields = dict(
+            self.config,
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            virtual_pipeline_model_parallel_size=layout.vpp if layout.virtual_stages > 1 else None,
+            context_parallel_size=layout.cp,
+            expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.expert_tp,
+            use_cpu_initialization=not torch.cuda.is_available(),
+            params_dtype=params_dtype,
+            pipeline_dtype=params_dtype,
+            bf16=params_dtype == torch.bfloat16,
+            fp16=params_dtype == torch.float16,
+        )
+        fields.update(overrides)
+        if self.config.get("multi_latent_attention"):
+            from megatron.core.transformer import MLATransformerConfig
+
+            fields.pop("multi_latent_attention")
+            return MLATransformerConfig(**fields)
+        return TransformerConfig(**fields)
+
+    def layer_spec(self):
+        """Transformer-engine layers where TE is installed, Megatron's local (torch) layers otherwise."""
+        from megatron.core.models.gpt import gpt_layer_specs
+
+        kwargs = dict(
+            num_experts=self.num_experts,
+            moe_grouped_gemm=False,
+            qk_layernorm=self.config.get("qk_layernorm", False),
+            multi_latent_attention=bool(self.config.get("multi_latent_attention")),
+        )
+        if has_transformer_engine():
+            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**kwargs)
+        return gpt_layer_specs.get_gpt_layer_local_spec(normalization=self.config["normalization"], **kwargs)
+
+
+def build_chunks(spec: ModelSpec, layout: ParallelLayout, config=None) -> list:
+    """This rank's GPTModel chunks (one per virtual pipeline stage), not yet wrapped in DDP.
+
+    Megatron's process groups for ``layout`` must exist (``rlmega.parallel.layout.initialize``).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    config = config or spec.transformer_config(layout)
+    layer_spec = spec.layer_spec()
+    virtual = layout.virtual_stages > 1
+    chunks = []
+    for vp_stage in range(layout.virtual_stages):
+        stage = vp_stage if virtual else None
+        chunks.append(
+            GPTModel(
+                config,
+                layer_spec,
+                vocab_size=padded_vocab_size(spec.vocab_size, layout.tp),
+                max_sequence_length=spec.max_sequence_length,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=not virtual, vp_stage=stage),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=not virtual, vp_stage=stage),
+                share_embeddings_and_output_weights=spec.tie_word_embeddings,
+                position_embedding_type="rope",
+                rotary_base=spec.rotary_base,
+                rope_scaling=spec.rope_scaling_factor is not None,
+                rope_scaling_factor=spec.rope_scaling_factor or 8.0,
+                vp_stage=stage,
+            )
+        )
+    return chunks
