@@ -10,7 +10,7 @@ that travels alone). Peak extra memory per rank is about one bucket plus the lar
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -52,13 +52,26 @@ def _exported_params(chunks: list, spec: ModelSpec):
     return exported
 
 
-def _gather(param, group, tp: int) -> torch.Tensor:
+def _gather(param, group, tp_rank: int, tp: int) -> torch.Tensor:
+    """The full tensor from its TP shards, built in place by one broadcast per shard.
+
+    gloo's all-gather stages a second full-size copy; broadcasts write straight into their target,
+    so gathering costs the full tensor plus at most one shard.
+    """
     tensor = param.tensor.detach()
     if param.partition_dim is None or tp == 1:
         return tensor
-    shards = [torch.empty_like(tensor) for _ in range(tp)]
-    dist.all_gather(shards, tensor.contiguous(), group=group)
-    return torch.cat(shards, dim=param.partition_dim)
+    shape = list(tensor.shape)
+    shape[param.partition_dim] *= tp
+    full = torch.empty(shape, dtype=tensor.dtype)
+    for shard_rank, block in enumerate(full.chunk(tp, dim=param.partition_dim)):
+        target = block if block.is_contiguous() else torch.empty_like(tensor)
+        if shard_rank == tp_rank:
+            target.copy_(tensor)
+        dist.broadcast(target, src=dist.get_global_rank(group, shard_rank), group=group)
+        if target is not block:
+            block.copy_(target)
+    return full
 
 
 def _announce(exported: dict, spec: ModelSpec) -> list[_Unit]:
@@ -91,6 +104,33 @@ def _buckets(units: list[_Unit], bucket_bytes: int) -> Iterator[list[_Unit]]:
         yield bucket
 
 
+def _fill(units: list[_Unit], exported: dict, geometry) -> Optional[torch.Tensor]:
+    """Gather ``units`` in their TP groups; on their owner, return their HF tensors packed as bytes.
+
+    A lone tensor is returned as it is (no packing copy), so a tensor larger than the bucket costs
+    its own size once, not twice.
+    """
+    nbytes = sum(unit.nbytes for unit in units)
+    buffer, offset = None, 0
+    for unit in units:
+        if unit.canonical not in exported:
+            continue  # another TP group's (or pipeline stage's) parameter
+        param, rule, names, group, tp_rank, tp = exported[unit.canonical]
+        gathered = _gather(param, group, tp_rank, tp)
+        if tp_rank != 0:
+            continue
+        for tensor in to_hf(rule, gathered, names, geometry, tp).values():
+            if len(units) == 1 and len(unit.tensors) == 1:
+                return tensor.contiguous()
+            if buffer is None:
+                buffer = torch.empty(nbytes, dtype=torch.uint8)
+            size = tensor.numel() * tensor.element_size()
+            buffer[offset : offset + size].copy_(tensor.contiguous().view(-1).view(torch.uint8))
+            offset += size
+        del gathered
+    return buffer
+
+
 @torch.no_grad()
 def export_hf_weights(chunks: list, spec: ModelSpec, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield every HF tensor of the model on every rank (see the module docstring)."""
@@ -98,24 +138,24 @@ def export_hf_weights(chunks: list, spec: ModelSpec, *, bucket_bytes: int = DEFA
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     geometry = geometry_of(spec)
     exported = _exported_params(chunks, spec)
+    rank = dist.get_rank()
     for bucket in _buckets(_announce(exported, spec), bucket_bytes):
-        packed: dict[int, list[torch.Tensor]] = {}
-        for unit in bucket:
-            if unit.canonical not in exported:
-                continue
-            param, rule, names, group, tp_rank, tp = exported[unit.canonical]
-            gathered = _gather(param, group, tp)
-            if tp_rank == 0:
-                hf = to_hf(rule, gathered, names, geometry, tp)
-                packed.setdefault(unit.owner, []).extend(t.contiguous().view(-1).view(torch.uint8) for t in hf.values())
         for owner in sorted({unit.owner for unit in bucket}):
             units = [unit for unit in bucket if unit.owner == owner]
-            nbytes = sum(unit.nbytes for unit in units)
-            buffer = torch.cat(packed[owner]) if owner == dist.get_rank() else torch.empty(nbytes, dtype=torch.uint8)
-            dist.broadcast(buffer, src=owner)
+            payload = _fill(units, exported, geometry)
+            if len(units) == 1 and len(units[0].tensors) == 1:
+                name, shape, dtype = units[0].tensors[0]
+                if rank != owner:
+                    payload = torch.empty(shape, dtype=dtype)
+                dist.broadcast(payload, src=owner)
+                yield name, payload
+                continue
+            if rank != owner:
+                payload = torch.empty(sum(unit.nbytes for unit in units), dtype=torch.uint8)
+            dist.broadcast(payload, src=owner)
             offset = 0
             for unit in units:
                 for name, shape, dtype in unit.tensors:
                     size = torch.Size(shape).numel() * dtype.itemsize
-                    yield name, buffer[offset : offset + size].view(dtype).view(shape)
+                    yield name, payload[offset : offset + size].view(dtype).view(shape)
                     offset += size
