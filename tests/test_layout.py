@@ -95,3 +95,18 @@ def test_initialize_starts_gloo_from_torchrun_variables_and_tears_down():
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["gloo True", "False False"]
+
+
+def test_uneven_stages_must_split_the_rest_evenly():
+    ParallelLayout(pp=3, first_stage_layers=1, world_size=3).check_model(num_layers=5, num_attention_heads=4)
+    ParallelLayout(pp=2, first_stage_layers=1, last_stage_layers=3, world_size=2).check_model(num_layers=4, num_attention_heads=4)
+    with pytest.raises(LayoutError) as error:
+        ParallelLayout(pp=3, first_stage_layers=1, world_size=3).check_model(num_layers=6, num_attention_heads=4)
+    assert str(error.value) == (
+        "num_layers=6 minus first_stage_layers=1 and last_stage_layers=0 leaves 5 layers, "
+        "which do not split evenly over the other 2 stage(s)"
+    )
+    with pytest.raises(LayoutError, match="uneven pipeline stages with vpp=2 are not supported"):
+        ParallelLayout(pp=2, vpp=2, first_stage_layers=1, world_size=2)
+    with pytest.raises(LayoutError, match="need pipeline parallelism, but pp=1"):
+        ParallelLayout(last_stage_layers=1)

@@ -39,6 +39,10 @@ class ParallelLayout:
     """Expert tensor parallel: splits each expert's weights; None means 1 (no split) under ep > 1, else tp."""
     world_size: int = 1
     """Total number of ranks in the job."""
+    first_stage_layers: Optional[int] = None
+    """Layers on the first pipeline stage when stages are uneven (the rest split evenly); None: even."""
+    last_stage_layers: Optional[int] = None
+    """Layers on the last pipeline stage when stages are uneven; None: even."""
 
     def __post_init__(self):
         for name in ("tp", "pp", "cp", "ep", "world_size"):
@@ -56,6 +60,11 @@ class ParallelLayout:
             )
         if self.virtual_stages > 1 and self.pp == 1:
             raise LayoutError(f"vpp={self.vpp} needs pipeline parallelism, but pp=1")
+        if self.uneven_stages:
+            if self.pp == 1:
+                raise LayoutError("first_stage_layers/last_stage_layers need pipeline parallelism, but pp=1")
+            if self.virtual_stages > 1:
+                raise LayoutError(f"uneven pipeline stages with vpp={self.vpp} are not supported; use vpp=1")
         dense_ranks = self.tp * self.cp * self.dp
         if dense_ranks % (self.ep * self.expert_tp):
             raise LayoutError(
@@ -84,6 +93,10 @@ class ParallelLayout:
     def virtual_stages(self) -> int:
         return self.vpp or 1
 
+    @property
+    def uneven_stages(self) -> bool:
+        return self.first_stage_layers is not None or self.last_stage_layers is not None
+
     def check_model(
         self,
         *,
@@ -101,11 +114,12 @@ class ParallelLayout:
         groups = num_query_groups or num_attention_heads
         if groups % self.tp:
             raise LayoutError(f"num_query_groups={groups} is not divisible by tp={self.tp}")
-        chunks = self.pp * self.virtual_stages
-        if num_layers % chunks:
+        if self.uneven_stages:
+            self._check_uneven_stages(num_layers)
+        elif num_layers % (self.pp * self.virtual_stages):
             raise LayoutError(
                 f"num_layers={num_layers} is not divisible by pp*vpp = "
-                f"{self.pp}*{self.virtual_stages} = {chunks}"
+                f"{self.pp}*{self.virtual_stages} = {self.pp * self.virtual_stages}"
             )
         if self.ep > 1 and not num_experts:
             raise LayoutError(f"ep={self.ep} needs a MoE model, but the model has no experts")
@@ -114,6 +128,16 @@ class ParallelLayout:
         if self.cp > 1 and not has_transformer_engine:
             raise LayoutError(
                 f"cp={self.cp} needs transformer-engine (GPU only), which is not installed; use cp=1"
+            )
+
+    def _check_uneven_stages(self, num_layers: int) -> None:
+        first, last = self.first_stage_layers or 0, self.last_stage_layers or 0
+        middle_stages = self.pp - (self.first_stage_layers is not None) - (self.last_stage_layers is not None)
+        middle_layers = num_layers - first - last
+        if middle_layers < 0 or (middle_stages == 0 and middle_layers) or (middle_stages and middle_layers % middle_stages):
+            raise LayoutError(
+                f"num_layers={num_layers} minus first_stage_layers={first} and last_stage_layers={last} "
+                f"leaves {middle_layers} layers, which do not split evenly over the other {middle_stages} stage(s)"
             )
 
     def describe(self) -> str:
