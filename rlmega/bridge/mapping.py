@@ -70,18 +70,51 @@ def _expert_rules(moe: str, router: str, gate: str, up: str, down: str) -> list[
     ]
 
 
+def _deepseek_v3_rules() -> list[Rule]:
+    """Multi-Latent Attention, dense first layers, routed + shared experts, router score bias.
+
+    HF's per-head [nope; rope] rows (q_b_proj / q_proj) and [nope; v] rows (kv_b_proj), and its
+    [kv latent; rope] rows (kv_a_proj_with_mqa), are laid out as Megatron's: plain copies. The
+    rope dims stay in HF's interleaved-pair order, which Megatron's MLA RoPE reads as such.
+    """
+    layer = "decoder.layers.{layer}"
+    attn = f"{layer}.self_attention"
+    hf_attn = "model.layers.{layer}.self_attn"
+    hf_moe = "model.layers.{layer}.mlp"
+    shared = f"{layer}.mlp.shared_experts"
+    not_attention = [rule for rule in _dense_rules() if ".self_attention." not in rule.megatron]
+    return not_attention + [
+        Rule(f"{attn}.linear_q_proj.weight", (f"{hf_attn}.q_proj.weight",)),
+        Rule(f"{attn}.linear_q_down_proj.weight", (f"{hf_attn}.q_a_proj.weight",)),
+        Rule(f"{attn}.q_layernorm.weight", (f"{hf_attn}.q_a_layernorm.weight",)),
+        Rule(f"{attn}.linear_q_up_proj.weight", (f"{hf_attn}.q_b_proj.weight",)),
+        Rule(f"{attn}.linear_kv_down_proj.weight", (f"{hf_attn}.kv_a_proj_with_mqa.weight",)),
+        Rule(f"{attn}.kv_layernorm.weight", (f"{hf_attn}.kv_a_layernorm.weight",)),
+        Rule(f"{attn}.linear_kv_up_proj.weight", (f"{hf_attn}.kv_b_proj.weight",)),
+        Rule(f"{attn}.linear_proj.weight", (f"{hf_attn}.o_proj.weight",)),
+        Rule(f"{layer}.mlp.router.expert_bias", (f"{hf_moe}.gate.e_score_correction_bias",)),
+        Rule(f"{shared}.linear_fc1.weight",
+             (f"{hf_moe}.shared_experts.gate_proj.weight", f"{hf_moe}.shared_experts.up_proj.weight"), GATE_UP),
+        Rule(f"{shared}.linear_fc2.weight", (f"{hf_moe}.shared_experts.down_proj.weight",)),
+    ] + _expert_rules("mlp", "gate", "gate_proj", "up_proj", "down_proj")
+
+
 RULES: dict[str, list[Rule]] = {
     "LlamaForCausalLM": _dense_rules(),
     "Qwen2ForCausalLM": _dense_rules(),
     "Qwen3ForCausalLM": _dense_rules(),
     "Qwen3MoeForCausalLM": _dense_rules() + _expert_rules("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
     "MixtralForCausalLM": _dense_rules() + _expert_rules("block_sparse_moe", "gate", "w1", "w3", "w2"),
+    "DeepseekV3ForCausalLM": _deepseek_v3_rules(),
 }
 
-# The TE layer spec fuses the pre-attention and pre-MLP norms into the following linear layer.
+# The TE layer spec fuses the pre-attention and pre-MLP norms (and MLA's latent norms) into the
+# following linear layer.
 _TE_NAMES = {
     ".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight",
     ".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight",
+    ".self_attention.linear_q_up_proj.layer_norm_weight": ".self_attention.q_layernorm.weight",
+    ".self_attention.linear_kv_up_proj.layer_norm_weight": ".self_attention.kv_layernorm.weight",
 }
 
 

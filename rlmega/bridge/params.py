@@ -13,6 +13,7 @@ from rlmega.models.spec import ModelSpec
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
+_EXPERT_BIAS = ".mlp.router.expert_bias"
 
 
 @dataclasses.dataclass
@@ -48,8 +49,15 @@ def _canonical(model: torch.nn.Module, name: str) -> str:
     return canonical_te_name(f"decoder.layers.{layer.layer_number - 1}.{rest}")
 
 
+def _checkpoint_buffers(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Buffers that are model weights: the routers' expert score bias (HF's e_score_correction_bias)."""
+    for name, buffer in model.named_buffers():
+        if name.endswith(_EXPERT_BIAS):
+            yield name, buffer
+
+
 def local_params(chunks: list) -> Iterator[LocalParam]:
-    """Every parameter of this rank's model chunks, in a deterministic order."""
+    """Every parameter of this rank's model chunks, then its weight buffers, in a deterministic order."""
     for chunk in chunks:
         model = unwrap(chunk)
         tied = getattr(model, "share_embeddings_and_output_weights", False)
@@ -62,6 +70,8 @@ def local_params(chunks: list) -> Iterator[LocalParam]:
                 is_expert=not getattr(param, "allreduce", True),
                 tied_output=tied and name == "output_layer.weight",
             )
+        for name, buffer in _checkpoint_buffers(model):  # replicated on every TP and EP rank
+            yield LocalParam(canonical=_canonical(model, name), tensor=buffer, partition_dim=None, is_expert=False)
 
 
 def tp_group_of(param: LocalParam):

@@ -13,6 +13,7 @@ from typing import Any, Callable, Union
 
 import torch
 
+from rlmega.models.deepseek import deepseek_v3
 from rlmega.models.spec import ModelSpec
 
 HFConfig = dict[str, Any]
@@ -136,6 +137,7 @@ ARCHITECTURES: dict[str, Callable[[HFConfig], ModelSpec]] = {
     "Qwen3ForCausalLM": qwen3,
     "Qwen3MoeForCausalLM": qwen3_moe,
     "MixtralForCausalLM": mixtral,
+    "DeepseekV3ForCausalLM": deepseek_v3,
 }
 
 

@@ -90,19 +90,50 @@ class ModelSpec:
             return MLATransformerConfig(**fields)
         return TransformerConfig(**fields)
 
-    def layer_spec(self):
-        """Transformer-engine layers where TE is installed, Megatron's local (torch) layers otherwise."""
+    def layer_spec(self, *, dense: bool = False):
+        """Transformer-engine layers where TE is installed, Megatron's local (torch) layers otherwise.
+
+        ``dense``: the spec of this model's dense layers when it mixes dense and MoE layers.
+        """
         from megatron.core.models.gpt import gpt_layer_specs
 
+        latent = bool(self.config.get("multi_latent_attention"))
         kwargs = dict(
-            num_experts=self.num_experts,
+            num_experts=None if dense else self.num_experts,
             moe_grouped_gemm=False,
             qk_layernorm=self.config.get("qk_layernorm", False),
-            multi_latent_attention=bool(self.config.get("multi_latent_attention")),
+            multi_latent_attention=latent,
         )
         if has_transformer_engine():
             return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**kwargs)
-        return gpt_layer_specs.get_gpt_layer_local_spec(normalization=self.config["normalization"], **kwargs)
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=self.config["normalization"], **kwargs)
+        if latent:  # the local spec's DotProductAttention cannot take MLA's distinct q/k and v head sizes
+            from rlmega.models.mla_attention import MLACoreAttention
+
+            spec.submodules.self_attention.submodules.core_attention = MLACoreAttention
+        return spec
+
+    def decoder_spec(self, config, vp_stage: Optional[int] = None):
+        """The decoder spec of one model chunk: ``layer_spec()``, or, where dense and MoE layers mix
+        (``moe_layer_freq`` is a list of 0/1 per layer), the per-layer specs of this chunk's layers."""
+        pattern = self.config.get("moe_layer_freq")
+        if not isinstance(pattern, list):
+            return self.layer_spec()
+        from megatron.core.transformer.transformer_block import (
+            LayerNormImpl,
+            TransformerBlockSubmodules,
+            get_num_layers_to_build,
+        )
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        dense, moe = self.layer_spec(dense=True), self.layer_spec()
+        first = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        count = get_num_layers_to_build(config, vp_stage=vp_stage)
+        # The same final norm Megatron picks for a plain layer spec.
+        return TransformerBlockSubmodules(
+            layer_specs=[moe if is_moe else dense for is_moe in pattern[first : first + count]],
+            layer_norm=LayerNormImpl,
+        )
 
 
 def build_chunks(spec: ModelSpec, layout: ParallelLayout, config=None) -> list:
@@ -114,7 +145,6 @@ def build_chunks(spec: ModelSpec, layout: ParallelLayout, config=None) -> list:
     from megatron.core.models.gpt import GPTModel
 
     config = config or spec.transformer_config(layout)
-    layer_spec = spec.layer_spec()
     virtual = layout.virtual_stages > 1
     chunks = []
     for vp_stage in range(layout.virtual_stages):
@@ -122,7 +152,7 @@ def build_chunks(spec: ModelSpec, layout: ParallelLayout, config=None) -> list:
         chunks.append(
             GPTModel(
                 config,
-                layer_spec,
+                spec.decoder_spec(config, vp_stage=stage),
                 vocab_size=padded_vocab_size(spec.vocab_size, layout.tp),
                 max_sequence_length=spec.max_sequence_length,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=not virtual, vp_stage=stage),

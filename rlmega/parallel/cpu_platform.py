@@ -14,6 +14,7 @@ any other version is refused rather than half-patched.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import warnings
 
@@ -51,6 +52,7 @@ class CudaAsCpu(TorchFunctionMode):
     """Maps every CUDA device named in a torch call to the CPU.
 
     Covers ``torch.zeros(..., device="cuda")``, ``t.to(torch.cuda.current_device())``, ``t.cuda()``,
+    ``torch.device(0)`` / ``torch.device("cuda")`` (they name the CPU),
     ``pin_memory=True`` (needs CUDA) and ``t.type()`` (Megatron's optimizer accepts only
     ``torch.cuda.*Tensor`` type names, so CPU tensors report their CUDA twin).
     """
@@ -61,6 +63,8 @@ class CudaAsCpu(TorchFunctionMode):
             kwargs["device"] = "cpu"
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
+        if func is torch.device and (_is_cuda_device(args[0]) if args else kwargs.get("type") == "cuda"):
+            return torch.device("cpu")  # e.g. YaRN RoPE's `with torch.device(torch.cuda.current_device())`
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.to:
@@ -241,6 +245,15 @@ def _patch_pipeline_p2p():
     p2p_communication._batched_p2p_ops = ordered_p2p_ops
 
 
+def _patch_mla_without_te():
+    # TE's wrapper module imports over a MagicMock when TE is absent, so MLA believes TE is there and
+    # calls isinstance() with a mock (TypeError); tell it the truth.
+    if importlib.util.find_spec("transformer_engine") is None:
+        from megatron.core.transformer import multi_latent_attention
+
+        multi_latent_attention.HAVE_TE = False
+
+
 def check_mcore_version(version: str) -> None:
     """Refuse megatron-core releases whose CUDA-only calls were not audited."""
     major_minor = tuple(int(part) for part in version.split(".")[:2])
@@ -277,6 +290,7 @@ def enable() -> bool:
     _patch_moe()
     _patch_torch_norm()
     _patch_pipeline_p2p()
+    _patch_mla_without_te()
     CudaAsCpu().__enter__()  # process-wide: every later Megatron call sees CPU devices
     _enabled = True
     logger.debug("rlmega CPU platform enabled for megatron-core %s", megatron.core.__version__)
