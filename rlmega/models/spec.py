@@ -76,6 +76,8 @@ class ModelSpec:
             context_parallel_size=layout.cp,
             expert_model_parallel_size=layout.ep,
             expert_tensor_parallel_size=layout.expert_tp,
+            num_layers_in_first_pipeline_stage=layout.first_stage_layers,
+            num_layers_in_last_pipeline_stage=layout.last_stage_layers,
             use_cpu_initialization=not torch.cuda.is_available(),
             params_dtype=params_dtype,
             pipeline_dtype=params_dtype,

@@ -73,6 +73,7 @@ DENSE_LAYOUTS = {
     "pp2": dict(pp=2),
     "pp2-vpp2": dict(pp=2, vpp=2),
     "tp2-pp2": dict(tp=2, pp=2),
+    "pp2-uneven-1-3": dict(pp=2, first_stage_layers=1),
 }
 MOE_LAYOUTS = {
     "tp1": dict(),
