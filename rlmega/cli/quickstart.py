@@ -2,7 +2,7 @@
 
 Trains the tiny Megatron GPT on a counting task with Megatron-Core's own schedule, DDP and optimizer,
 on gloo ranks spawned here (CPU) in the parallel layout you ask for, and prints the loss live. The
-loss starts near ln(128) ≈ 4.85 (a uniform guess) and falls as the model learns to count.
+loss starts near ln(256) ≈ 5.55 (a uniform guess over the vocabulary) and falls as the model learns to count.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _train(rank: int, world_size: int, layout, steps: int, lr: float, num_microb
 def run(args: argparse.Namespace) -> int:
     from rlmega.parallel.layout import LayoutError, ParallelLayout
     from rlmega.testing.multirank import RankFailure, run_on_ranks
-    from rlmega.testing.tiny_gpt import TinyGPTSpec
+    from rlmega.testing.tiny_gpt import VOCAB_SIZE, TinyGPTSpec
 
     try:
         layout = ParallelLayout(
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     [losses] = [r for r in results if r]
     first, last = losses[0], losses[-1]
-    print(f"loss {first:.3f} -> {last:.3f} over {len(losses)} steps (uniform guess: {math.log(128):.3f})")
+    print(f"loss {first:.3f} -> {last:.3f} over {len(losses)} steps (uniform guess: {math.log(VOCAB_SIZE):.3f})")
     if not last < first:
         print("rlmega quickstart: the loss did not fall; training is broken on this machine")
         return 1

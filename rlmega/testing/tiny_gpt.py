@@ -18,9 +18,12 @@ from typing import Iterator, Optional
 
 import torch
 
+from rlmega.models import ModelSpec, build_chunks, model_spec_from_hf
 from rlmega.parallel.layout import ParallelLayout
 
-VOCAB_SIZE = 128
+# A multiple of 128 * tp for tp <= 2, so Megatron pads no vocabulary columns and LM losses (which
+# would include padding logits) compare exactly across tensor-parallel sizes.
+VOCAB_SIZE = 256
 SEQ_LEN = 16
 
 
@@ -39,93 +42,40 @@ class TinyGPTSpec:
     sequence_parallel: bool = False
     """Shard activations along the sequence between TP ranks (needs tp > 1; required for MoE with tp > 1)."""
 
+    def model_spec(self) -> ModelSpec:
+        """The same model as an HF architecture would describe it: Llama, or Mixtral with experts."""
+        hf = dict(
+            architectures=["MixtralForCausalLM" if self.num_experts else "LlamaForCausalLM"],
+            vocab_size=VOCAB_SIZE, hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_query_groups,
+            intermediate_size=self.moe_ffn_hidden_size if self.num_experts else self.ffn_hidden_size,
+            max_position_embeddings=SEQ_LEN, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        )
+        if self.num_experts:
+            hf.update(num_local_experts=self.num_experts, num_experts_per_tok=self.moe_router_topk)
+        return model_spec_from_hf(hf)
+
     def check_layout(self, layout: ParallelLayout) -> None:
         """Raise LayoutError unless this model can be split as ``layout`` says."""
-        layout.check_model(
-            num_layers=self.num_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_query_groups=self.num_query_groups,
-            num_experts=self.num_experts,
-        )
-
-
-def transformer_config(spec: TinyGPTSpec, layout: ParallelLayout):
-    from megatron.core.transformer import TransformerConfig
-
-    spec.check_layout(layout)
-    moe = {}
-    if spec.num_experts:
-        moe = dict(
-            num_moe_experts=spec.num_experts,
-            moe_router_topk=spec.moe_router_topk,
-            moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
-            moe_token_dispatcher_type="alltoall",
-            moe_router_load_balancing_type="aux_loss",
-            moe_aux_loss_coeff=1e-2,
-            moe_grouped_gemm=False,
-        )
-    return TransformerConfig(
-        num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
-        num_attention_heads=spec.num_attention_heads,
-        num_query_groups=spec.num_query_groups,
-        ffn_hidden_size=spec.ffn_hidden_size,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp if layout.virtual_stages > 1 else None,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.expert_tp,
-        sequence_parallel=spec.sequence_parallel,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
-        init_method_std=0.02,
-        **moe,
-    )
+        self.model_spec().check_layout(layout)
 
 
 def build_model(spec: TinyGPTSpec, layout: ParallelLayout, seed: int = 1234) -> list:
     """Model chunks (one per virtual stage) wrapped in Megatron's DDP, on this rank."""
-    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    config = transformer_config(spec, layout)
-    layer_spec = get_gpt_layer_local_spec(
-        num_experts=spec.num_experts, moe_grouped_gemm=False, normalization="RMSNorm"
+    model_spec = spec.model_spec()
+    config = model_spec.transformer_config(layout, sequence_parallel=spec.sequence_parallel, init_method_std=0.02)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
     )
-    virtual = layout.virtual_stages > 1
-    chunks = []
-    for vp_stage in range(layout.virtual_stages):
-        stage = vp_stage if virtual else None
-        model = GPTModel(
-            config,
-            layer_spec,
-            vocab_size=VOCAB_SIZE,
-            max_sequence_length=SEQ_LEN,
-            position_embedding_type="rope",
-            share_embeddings_and_output_weights=False,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=not virtual, vp_stage=stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=not virtual, vp_stage=stage),
-            vp_stage=stage,
-        )
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
-        )
-        chunks.append(DistributedDataParallel(config, ddp_config, model))
+    chunks = [DistributedDataParallel(config, ddp_config, model) for model in build_chunks(model_spec, layout, config)]
     config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = [chunk.no_sync for chunk in chunks] if virtual else chunks[0].no_sync
+    config.no_sync_func = [chunk.no_sync for chunk in chunks] if len(chunks) > 1 else chunks[0].no_sync
     return chunks
 
 
