@@ -40,6 +40,22 @@ def _rope(hf: HFConfig) -> tuple[float, float | None]:
     raise UnsupportedModelError(f"rope_type={kind!r} is not supported; supported: 'default', 'llama3'")
 
 
+# Fields every supported architecture shares: SwiGLU MLPs without biases, no dropout, and the
+# unfused torch code paths (the fused kernels need CUDA; TE picks its own on GPU).
+COMMON_FIELDS = dict(
+    normalization="RMSNorm",
+    gated_linear_unit=True,
+    activation_func=torch.nn.functional.silu,
+    add_bias_linear=False,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    bias_activation_fusion=False,
+    masked_softmax_fusion=False,
+    persist_layer_norm=False,
+    apply_rope_fusion=False,
+)
+
+
 def _dense(hf: HFConfig, *, qkv_bias: bool, qk_layernorm: bool) -> ModelSpec:
     if hf.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act={hf['hidden_act']!r} is not supported; supported: 'silu'")
@@ -55,19 +71,10 @@ def _dense(hf: HFConfig, *, qkv_bias: bool, qk_layernorm: bool) -> ModelSpec:
         num_attention_heads=heads,
         num_query_groups=hf.get("num_key_value_heads") or heads,
         kv_channels=head_dim,
-        normalization="RMSNorm",
         layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        add_bias_linear=False,
         add_qkv_bias=qkv_bias,
         qk_layernorm=qk_layernorm,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
+        **COMMON_FIELDS,
     )
     return ModelSpec(
         architecture=hf["architectures"][0],

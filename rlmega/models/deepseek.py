@@ -7,8 +7,6 @@ has no exact Megatron twin raises ``UnsupportedModelError`` naming the field.
 
 from __future__ import annotations
 
-import torch
-
 from rlmega.models import architectures
 from rlmega.models.spec import ModelSpec
 
@@ -130,17 +128,8 @@ def deepseek_v3(hf: architectures.HFConfig) -> ModelSpec:
         v_head_dim=hf["v_head_dim"],
         # The local spec builds the q/kv latent norms only with qk_layernorm.
         qk_layernorm=True,
-        normalization="RMSNorm",
         layernorm_epsilon=eps,
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
+        **architectures.COMMON_FIELDS,
         moe_ffn_hidden_size=hf["moe_intermediate_size"],
         moe_shared_expert_intermediate_size=shared * hf["moe_intermediate_size"],
         moe_layer_freq=[0] * dense_layers + [1] * (layers - dense_layers),

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hf_models import save_tiny_model
-from rlmega.bridge import CheckpointError, HFCheckpoint, load_hf_weights
+from rlmega.bridge import HFCheckpoint, load_hf_weights
 from rlmega.models import UnsupportedModelError, build_chunks, model_spec_from_hf
 from rlmega.parallel.layout import ParallelLayout, destroy, initialize
 from rlmega.testing.multirank import RankFailure, run_on_ranks

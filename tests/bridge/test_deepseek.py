@@ -15,7 +15,7 @@ from deepseek_models import VARIANTS, save_tiny_deepseek, tiny_config
 from rlmega.models import UnsupportedModelError, has_transformer_engine, model_spec_from_hf
 from rlmega.parallel.layout import ParallelLayout
 from rlmega.testing.multirank import run_on_ranks
-from test_bridge_roundtrip import LOGITS_ATOL, TIMEOUT_S, _import_run_export, _world_size
+from test_bridge_roundtrip import TIMEOUT_S, _import_run_export, _world_size, assert_round_trip
 
 
 def _hf_dict(variant: str = "deepseek-v3", **overrides) -> dict:
@@ -219,16 +219,5 @@ def test_deepseek_import_matches_hf_logits_and_export_is_bit_identical(variant, 
     layout = ParallelLayout(world_size=_world_size(layout_kwargs), **layout_kwargs)
     results = run_on_ranks(_import_run_export, layout.world_size, timeout_s=TIMEOUT_S, args=(layout, str(directory), 16 * 1024))
 
-    last_stage_logits = [logits for logits, _ in results if logits is not None]
-    assert last_stage_logits
-    for logits in last_stage_logits:
-        assert (logits - hf_logits).abs().max().item() <= LOGITS_ATOL
-
-    saved = load_file(Path(directory) / "model.safetensors")
-    assert any(name.endswith("e_score_correction_bias") for name in saved)
-    _, exported = results[-1]
-    assert sorted(exported) == sorted(saved), "exported keys differ from the checkpoint's"
-    for name, tensor in saved.items():
-        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
-    for _, names in results[:-1]:
-        assert names == sorted(saved)
+    assert_round_trip(results, directory, hf_logits)
+    assert any(name.endswith("e_score_correction_bias") for name in load_file(Path(directory) / "model.safetensors"))

@@ -4,7 +4,6 @@ import threading
 import time
 
 import psutil
-import torch
 
 from rlmega.bridge import export_hf_weights
 from rlmega.models import build_chunks, model_spec_from_hf
