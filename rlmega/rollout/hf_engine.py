@@ -1,0 +1,226 @@
+"""A rollout engine on a transformers causal LM: batched generation with a KV cache, in-process.
+
+Slow next to vLLM or SGLang, but exact and dependency-free: the reference engine for tests and small
+runs. The sampling loop is our own (not ``model.generate``) so each request has its own sampling
+settings and generator, and the returned log-probs are those of the raw logits.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import os
+from collections.abc import Iterable, Sequence
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+from rlmega.rollout.hf_weights import HFWeightMap, WeightTarget
+from rlmega.rollout.protocol import EngineNotReadyError, Generation, SamplingParams
+from rlmega.rollout.sampling import RowSampling, request_generator, select_next_tokens
+
+PAD_TOKEN_ID = 0  # left padding is masked out, so any in-vocabulary id works
+
+
+def left_pad(sequences: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids [B, L], attention_mask [B, L])`` with each sequence right-aligned, L the longest."""
+    length = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), length), PAD_TOKEN_ID, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for row, tokens in enumerate(sequences):
+        input_ids[row, length - len(tokens):] = torch.tensor(tokens, dtype=torch.long)
+        attention_mask[row, length - len(tokens):] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+class HFEngine:
+    """Implements ``RolloutEngine`` on a Hugging Face model.
+
+    ``model`` is a checkpoint directory (loaded with ``attn_implementation`` if given) or a loaded
+    model, which the engine then owns: it is moved to ``device``/``dtype`` and its weights are
+    overwritten by ``update_weights``.
+    """
+
+    def __init__(self, model: str | os.PathLike | PreTrainedModel, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", attn_implementation: str | None = None):
+        if isinstance(model, (str, os.PathLike)):
+            extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+            model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, **extra)
+        elif model.dtype != dtype:
+            model = model.to(dtype)
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.dtype = dtype
+        self.vocab_size: int = self.model.get_input_embeddings().num_embeddings
+        self.max_positions: int | None = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        self._weights = HFWeightMap(self.model)
+        # transformers renamed the forward's cache argument from past_key_values to cache during 5.x.
+        forward_args = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
+        self._version = 0
+        self._sleep_level = 0  # 0 awake; 1 weights on host; 2 weights dropped
+        self._dropped: set[str] = set()  # tensors whose storage sleep(level=2) freed
+        self._missing_slots: set[str] = set()  # on-disk names not re-sent since sleep(level=2)
+        self._torn_update_version: int | None = None  # an update that failed after writing
+
+    # ------------------------------------------------------------------ generation
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | Sequence[SamplingParams]) -> list[Generation]:
+        """See ``RolloutEngine.generate``. All responses are decoded together, one token per step."""
+        self._check_ready()
+        per_prompt = self._check_request(prompts, params)
+        requests = [(i, j) for i, p in enumerate(per_prompt) for j in range(p.n)]
+        if not requests:
+            return []
+        row_params = [per_prompt[i] for i, _ in requests]
+        rows = RowSampling.build(
+            row_params, [request_generator(per_prompt[i].seed, i, j, self.device) for i, j in requests],
+            self.vocab_size, self.device)
+        input_ids, attention_mask = left_pad([prompts[i] for i, _ in requests], self.device)
+        position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)  # pads sit at 0; they are masked
+        cache = DynamicCache(config=self.model.config)
+
+        responses: list[list[int]] = [[] for _ in requests]
+        logprobs: list[list[float]] = [[] for _ in requests]
+        finish: list[str | None] = [None] * len(requests)
+        stop_sets = [set(p.stop_token_ids) for p in row_params]
+        for _ in range(max(p.max_new_tokens for p in row_params)):
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=True, logits_to_keep=1, **{self._cache_arg: cache}).logits[:, -1]
+            tokens, token_logprobs = select_next_tokens(logits, rows)
+            for row, (token, logprob) in enumerate(zip(tokens.tolist(), token_logprobs.tolist())):
+                if finish[row] is not None:
+                    continue  # finished rows keep decoding in the batch; their tokens are ignored
+                responses[row].append(token)
+                logprobs[row].append(logprob)
+                if token in stop_sets[row]:
+                    finish[row] = "stop"
+                elif len(responses[row]) == row_params[row].max_new_tokens:
+                    finish[row] = "length"
+            if all(reason is not None for reason in finish):
+                break
+            input_ids = tokens[:, None]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(requests), 1))], dim=-1)
+            position_ids = position_ids[:, -1:] + 1
+        return [Generation(prompt_index=i, response_token_ids=responses[row], logprobs=logprobs[row],
+                           finish_reason=finish[row], weight_version=self._version)
+                for row, (i, _) in enumerate(requests)]
+
+    def _check_request(self, prompts: list[list[int]],
+                       params: SamplingParams | Sequence[SamplingParams]) -> list[SamplingParams]:
+        if isinstance(params, SamplingParams):
+            per_prompt = [params] * len(prompts)
+        else:
+            per_prompt = list(params)
+            if len(per_prompt) != len(prompts):
+                raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+            for p in per_prompt:
+                if not isinstance(p, SamplingParams):
+                    raise TypeError(f"params must be SamplingParams, got {type(p).__name__}")
+        for index, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {index} is empty")
+            if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+                raise ValueError(f"prompt {index} has token ids outside [0, {self.vocab_size})")
+        for index, (prompt, p) in enumerate(zip(prompts, per_prompt)):
+            if any(token >= self.vocab_size for token in p.stop_token_ids):
+                raise ValueError(f"SamplingParams.stop_token_ids {p.stop_token_ids} has ids >= the "
+                                 f"vocabulary size {self.vocab_size}")
+            if self.max_positions is not None and len(prompt) + p.max_new_tokens > self.max_positions:
+                raise ValueError(f"prompt {index} ({len(prompt)} tokens) + max_new_tokens {p.max_new_tokens} "
+                                 f"exceeds the model's max_position_embeddings {self.max_positions}")
+        return per_prompt
+
+    def _check_ready(self) -> None:
+        if self._sleep_level:
+            resync = " and re-sync every weight with update_weights" if self._sleep_level == 2 else ""
+            raise EngineNotReadyError(f"engine is asleep (level {self._sleep_level}): call wake(){resync} first")
+        if self._missing_slots:
+            examples = ", ".join(sorted(self._missing_slots)[:3])
+            raise EngineNotReadyError(
+                f"{len(self._missing_slots)} weights dropped by sleep(level=2) have not been re-synced "
+                f"(e.g. {examples}); send them with update_weights")
+        if self._torn_update_version is not None:
+            raise EngineNotReadyError(
+                f"the update to weight version {self._torn_update_version} failed part way, leaving mixed "
+                f"weights; complete an update_weights before generating")
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """See ``RolloutEngine.update_weights``. Tensors are copied in as they arrive, cast to the engine's
+        dtype; nothing of the stream is held beyond the tensor being copied."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < self._version:
+            raise ValueError(f"version must be an int >= the current weight version {self._version}, got {version!r}")
+        written = 0
+        try:
+            for name, tensor in named_tensors:
+                target = self._weights.resolve(name)
+                if tuple(tensor.shape) != target.shape:
+                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {target.shape}")
+                self._write(target, tensor)
+                written += 1
+        except BaseException:
+            if written:
+                self._torn_update_version = version
+            raise
+        self._torn_update_version = None
+        self._version = version
+
+    @torch.no_grad()
+    def _write(self, target: WeightTarget, tensor: torch.Tensor) -> None:
+        weight = self._weights.tensors[target.tensor_name]
+        if target.tensor_name in self._dropped:  # re-allocate where it lives; wake() moves it to the device
+            weight.data = torch.empty(self._weights.shapes[target.tensor_name], dtype=weight.dtype,
+                                      device=weight.device)
+            self._dropped.discard(target.tensor_name)
+        weight.data[target.index].copy_(tensor)
+        self._missing_slots.difference_update(target.slots)
+
+    def weight_version(self) -> int:
+        return self._version
+
+    # ------------------------------------------------------------------ memory
+
+    def sleep(self, level: int = 1) -> None:
+        """Level 1: weights move to host memory (on a CPU engine they already are, so nothing is freed)
+        and are kept. Level 2: every weight's storage is freed; each must be re-sent with
+        ``update_weights`` (before or after ``wake()``) before ``generate`` runs again. Non-persistent
+        buffers (rotary frequencies) are kept. Sleeping deeper is allowed; shallower is a no-op."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if level == 1 and self._sleep_level == 0:
+            for weight in self._weights.tensors.values():
+                weight.data = weight.data.to("cpu")
+        if level == 2 and self._sleep_level < 2:
+            for weight in self._weights.tensors.values():
+                weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+            self._dropped = set(self._weights.tensors)
+            self._missing_slots = set(self._weights.slots)
+        self._sleep_level = max(self._sleep_level, level)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        """Bring kept (and re-synced) weights back to the device. Weights still dropped stay missing,
+        and ``generate`` refuses until they are re-sent."""
+        for weight in self._weights.tensors.values():
+            weight.data = weight.data.to(self.device)
+        self._sleep_level = 0
+
+    def health(self) -> dict:
+        ready = not (self._sleep_level or self._missing_slots or self._torn_update_version is not None)
+        return {
+            "ready": ready,
+            "weight_version": self._version,
+            "sleep_level": self._sleep_level,
+            "missing_weights": len(self._missing_slots),
+            "torn_update_version": self._torn_update_version,
+            "resident_weight_bytes": sum(t.numel() * t.element_size() for t in self._weights.tensors.values()),
+            "model_type": self._weights.model_type,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }

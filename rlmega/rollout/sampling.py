@@ -1,0 +1,93 @@
+"""Next-token selection with per-row sampling settings and a random generator per row.
+
+Every row (one response being generated) has its own temperature, top-k, top-p and
+``torch.Generator``, so a batch can mix greedy and sampled requests, and a seeded request draws the
+same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rlmega.rollout.protocol import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """A bijective 64-bit mixer: nearby inputs give unrelated outputs."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def request_generator(seed: int | None, prompt_index: int, sample_index: int,
+                      device: torch.device) -> torch.Generator:
+    """The generator of sample ``sample_index`` of prompt ``prompt_index``.
+
+    Seeded from all three numbers, so the n samples of a prompt differ, a repeated prompt gets
+    different samples, and the same call with the same seed repeats exactly. ``seed=None`` draws a
+    non-deterministic seed.
+    """
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        mixed = _splitmix64(_splitmix64(_splitmix64(seed) ^ prompt_index) ^ sample_index)
+        generator.manual_seed(mixed >> 1)  # 63 bits: manual_seed's range
+    return generator
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """Sampling settings of B rows as tensors on the logits' device."""
+
+    temperature: torch.Tensor  # [B] float32; 0 means greedy
+    top_k: torch.Tensor  # [B] int64; the vocabulary size when disabled
+    top_p: torch.Tensor  # [B] float32
+    generators: list[torch.Generator]  # [B]
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], generators: list[torch.Generator], vocab_size: int,
+              device: torch.device) -> RowSampling:
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([min(p.top_k or vocab_size, vocab_size) for p in params], device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            generators=generators,
+        )
+
+
+def select_next_tokens(logits: torch.Tensor, rows: RowSampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row from raw next-token logits [B, V].
+
+    Greedy rows (temperature 0) take the argmax. Sampled rows divide by their temperature, keep their
+    top-k logits, then the smallest prefix of that renormalised distribution whose mass reaches
+    top-p, and draw from the rest with their own generator. Ties keep the lowest token id first, so
+    top_k=1 matches greedy.
+
+    Returns ``(tokens [B] int64, logprobs [B] float32)``, where ``logprobs`` is the log-prob of each
+    chosen token under ``log_softmax(logits)``: the raw distribution, whatever was sampled from.
+    """
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)
+    sampled = (rows.temperature > 0).nonzero().flatten()
+    if sampled.numel():
+        scaled = logits[sampled] / rows.temperature[sampled, None]
+        sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)
+        ranks = torch.arange(scaled.shape[-1], device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(ranks >= rows.top_k[sampled, None], float("-inf"))
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # top_p == 1 disables the filter outright, so rounding in the cumulative sum cannot drop the tail.
+        top_p = torch.where(rows.top_p[sampled] >= 1, float("inf"), rows.top_p[sampled])
+        mass_before = probs.cumsum(dim=-1) - probs  # exactly 0 at rank 0, which is therefore always kept
+        probs = probs.masked_fill(mass_before >= top_p[:, None], 0.0)
+        for i, row in enumerate(sampled.tolist()):
+            rank = torch.multinomial(probs[i], 1, generator=rows.generators[row])
+            tokens[row] = sorted_ids[i, rank[0]]
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, logprobs

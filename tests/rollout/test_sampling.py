@@ -1,0 +1,77 @@
+"""select_next_tokens: greedy, temperature, top-k, top-p and per-row generators, on hand-made logits."""
+
+import torch
+
+from rlmega.rollout.sampling import RowSampling, request_generator, select_next_tokens
+
+CPU = torch.device("cpu")
+# Row probabilities 0.5, 0.25, 0.125, ... over 6 tokens, in a scrambled token order.
+ORDER = torch.tensor([3, 0, 5, 1, 4, 2])
+LOGITS = torch.empty(6).index_put_((ORDER,), torch.log(torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.03125, 0.03125])))
+
+
+def _rows(num_rows, temperature=1.0, top_k=None, top_p=1.0, seed=0):
+    top_k = torch.full((num_rows,), top_k or LOGITS.numel())
+    return RowSampling(torch.full((num_rows,), float(temperature)), top_k, torch.full((num_rows,), float(top_p)),
+                       [request_generator(seed, 0, row, CPU) for row in range(num_rows)])
+
+
+def _draw(num_rows=400, **kwargs):
+    tokens, logprobs = select_next_tokens(LOGITS.expand(num_rows, -1).clone(), _rows(num_rows, **kwargs))
+    return tokens, logprobs
+
+
+def test_greedy_rows_take_the_argmax():
+    tokens, logprobs = _draw(num_rows=3, temperature=0)
+    assert tokens.tolist() == [3, 3, 3]
+    torch.testing.assert_close(logprobs, torch.log(torch.tensor([0.5] * 3)), rtol=0, atol=1e-6)
+
+
+def test_logprobs_are_under_the_raw_logits_whatever_the_filters():
+    tokens, logprobs = _draw(temperature=0.3, top_k=3, top_p=0.6)
+    torch.testing.assert_close(logprobs, torch.log_softmax(LOGITS, -1)[tokens], rtol=0, atol=1e-6)
+
+
+def test_top_k_keeps_the_k_most_likely_tokens():
+    tokens, _ = _draw(top_k=2)
+    assert set(tokens.tolist()) == {3, 0}
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    assert set(_draw(top_p=0.74)[0].tolist()) == {3, 0}  # 0.5 + 0.25 reaches 0.74
+    assert set(_draw(top_p=0.76)[0].tolist()) == {3, 0, 5}
+    assert set(_draw(top_p=0.49)[0].tolist()) == {3}
+
+
+def test_top_p_applies_to_the_renormalised_top_k_distribution():
+    # Among the top 2 (2/3, 1/3), the first alone holds 2/3 >= 0.6; without top-k it would hold 0.5 < 0.6.
+    assert set(_draw(top_k=2, top_p=0.6)[0].tolist()) == {3}
+    assert set(_draw(top_p=0.6)[0].tolist()) == {3, 0}
+
+
+def test_sampling_follows_the_tempered_distribution():
+    tokens, _ = _draw(num_rows=4000, temperature=1.0, seed=1)
+    frequency = torch.bincount(tokens, minlength=6).float() / tokens.numel()
+    torch.testing.assert_close(frequency, torch.softmax(LOGITS, -1), rtol=0, atol=0.03)
+    cold, _ = _draw(num_rows=4000, temperature=0.25, seed=1)  # p^4: token 3 gets 0.5^4 / sum ≈ 0.94
+    assert (cold == 3).float().mean() > 0.9
+
+
+def test_each_row_draws_from_its_own_generator():
+    first, _ = _draw(seed=5)
+    again, _ = _draw(seed=5)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, _draw(seed=6)[0])
+    # A row's draw does not depend on the other rows of the batch.
+    alone, _ = select_next_tokens(LOGITS[None].clone(), RowSampling(
+        torch.ones(1), torch.tensor([6]), torch.ones(1), [request_generator(5, 0, 1, CPU)]))
+    assert alone.item() == first[1].item()
+
+
+def test_request_seeds_separate_prompts_and_samples():
+    def first_draw(seed, prompt, sample):
+        return torch.rand(4, generator=request_generator(seed, prompt, sample, CPU))
+
+    assert torch.equal(first_draw(1, 2, 3), first_draw(1, 2, 3))
+    draws = [first_draw(1, 0, 0), first_draw(1, 0, 1), first_draw(1, 1, 0), first_draw(2, 0, 0)]
+    assert len({tuple(d.tolist()) for d in draws}) == 4
