@@ -61,7 +61,8 @@ class HFEngine:
         self._sleep_level = 0  # 0 awake; 1 weights on host; 2 weights dropped
         self._dropped: set[str] = set()  # tensors whose storage sleep(level=2) freed
         self._missing_slots: set[str] = set()  # on-disk names not re-sent since sleep(level=2)
-        self._torn_update_version: int | None = None  # an update that failed after writing
+        self._torn_update_version: int | None = None  # an update that wrote but did not commit
+        self._pending_version: int | None = None  # the update in progress, between begin and commit
 
     # ------------------------------------------------------------------ generation
 
@@ -152,22 +153,32 @@ class HFEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """See ``RolloutEngine.update_weights``. Tensors are copied in as they arrive, cast to the engine's
         dtype; nothing of the stream is held beyond the tensor being copied."""
+        self.begin_update(version)
+        self.write_weights(named_tensors)
+        self.commit_update()
+
+    # The three steps of an update, callable one by one so a remote trainer can stream buckets.
+
+    def begin_update(self, version: int) -> None:
         if isinstance(version, bool) or not isinstance(version, int) or version < self._version:
             raise ValueError(f"version must be an int >= the current weight version {self._version}, got {version!r}")
-        written = 0
-        try:
-            for name, tensor in named_tensors:
-                target = self._weights.resolve(name)
-                if tuple(tensor.shape) != target.shape:
-                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {target.shape}")
-                self._write(target, tensor)
-                written += 1
-        except BaseException:
-            if written:
-                self._torn_update_version = version
-            raise
-        self._torn_update_version = None
-        self._version = version
+        self._pending_version = version
+
+    def write_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self._pending_version is None:
+            raise RuntimeError("write_weights called outside an update; call begin_update(version) first")
+        for name, tensor in named_tensors:
+            target = self._weights.resolve(name)
+            if tuple(tensor.shape) != target.shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {target.shape}")
+            # From the first write until commit the weights are mixed: generate refuses.
+            self._torn_update_version = self._pending_version
+            self._write(target, tensor)
+
+    def commit_update(self) -> None:
+        if self._pending_version is None:
+            raise RuntimeError("commit_update called outside an update; call begin_update(version) first")
+        self._version, self._pending_version, self._torn_update_version = self._pending_version, None, None
 
     @torch.no_grad()
     def _write(self, target: WeightTarget, tensor: torch.Tensor) -> None:

@@ -46,13 +46,25 @@ def _swap_gate_and_up(stream):
         yield name, tensor
 
 
-def _sync_and_check(rank, world_size, hf_dir):
+def _engine(hf_dir, in_ray_actor):
+    if not in_ray_actor:
+        return HFEngine(hf_dir)
+    import ray
+
+    from rlmega.rollout.ray_actor import RemoteEngine, start_engine_actor
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1",
+             object_store_memory=100 * 1024**2, log_to_driver=False)
+    return RemoteEngine(start_engine_actor(hf_dir), bucket_bytes=32 * 1024)  # many small buckets
+
+
+def _sync_and_check(rank, world_size, hf_dir, in_ray_actor):
     layout = ParallelLayout(tp=2, world_size=2)
     initialize(layout)
     spec = model_spec_from_hf(hf_dir)
     [model] = build_chunks(spec, layout)
     load_hf_weights([model], spec, hf_dir)
-    engine = HFEngine(hf_dir) if rank == 0 else None
+    engine = _engine(hf_dir, in_ray_actor) if rank == 0 else None
     before = post_sync_check([model], spec, engine, PROMPTS)  # same weights on both sides
 
     _train_steps(model, spec)
@@ -76,6 +88,10 @@ def _sync_and_check(rank, world_size, hf_dir):
     except WeightSyncError as error:
         wrong = str(error)
     version = engine.weight_version() if engine is not None else None
+    if in_ray_actor and engine is not None:
+        import ray
+
+        ray.shutdown()
     destroy()
     return dict(before=before, stale=stale, after=after, wrong=wrong, tensors=stats.tensors, bytes=stats.bytes, version=version)
 
@@ -87,8 +103,9 @@ def llama_dir(tmp_path_factory):
     return directory
 
 
-def test_synced_engine_serves_the_trained_weights_and_a_wrong_mapping_is_caught(llama_dir):
-    engine_rank, other_rank = run_on_ranks(_sync_and_check, 2, timeout_s=180, args=(str(llama_dir),))
+@pytest.mark.parametrize("in_ray_actor", [False, True], ids=["in-process", "ray-actor"])
+def test_synced_engine_serves_the_trained_weights_and_a_wrong_mapping_is_caught(llama_dir, in_ray_actor):
+    engine_rank, other_rank = run_on_ranks(_sync_and_check, 2, timeout_s=180, args=(str(llama_dir), in_ray_actor))
     for result in (engine_rank, other_rank):  # every rank reaches the same verdicts
         assert result["before"] <= 1e-4
         assert result["stale"] is not None and "post-sync check failed" in result["stale"]  # training changed the policy
