@@ -17,17 +17,19 @@ _LM_HEAD = "lm_head.weight"
 
 
 def _plan(chunks: list, spec: ModelSpec):
-    """[(param, rule, hf names, tp rank, tp size)] for this rank, and {hf name: full shape} it needs."""
+    """[(param, rule, hf names, tp rank, tp size, owner's hf name)] for this rank, and
+    {hf name: full shape} it needs. The owner's name is set for a ``copy_of`` param only."""
     book, geometry = RuleBook(spec.architecture), geometry_of(spec)
     plan, needed = [], {}
     for param in local_params(chunks):
         rule, names = book.resolve(param.canonical)
         if param.tied_output:
             names = (_TIED_EMBEDDING,)
+        owner = book.resolve(param.copy_of)[1][0] if param.copy_of is not None else None
         _, tp_rank, tp = tp_group_of(param)
         for name, shape in zip(names, hf_shapes(rule, gathered_shape(param, tp), geometry)):
             needed[name] = shape
-        plan.append((param, rule, names, tp_rank, tp))
+        plan.append((param, rule, names, tp_rank, tp, owner))
     return plan, needed
 
 
@@ -70,6 +72,12 @@ def load_hf_weights(chunks: list, spec: ModelSpec, directory: str | Path) -> Non
     plan, needed = _plan(chunks, spec)
     check_checkpoint(checkpoint, _all_needed(needed), spec.tie_word_embeddings)
     geometry = geometry_of(spec)
-    for param, rule, names, tp_rank, tp in plan:
+    for param, rule, names, tp_rank, tp, owner in plan:
         shard = shard_from_hf(rule, checkpoint.read, names, param.tensor.shape, param.partition_dim, tp_rank, tp, geometry)
-        param.tensor.copy_(shard.to(param.tensor.dtype))
+        if owner is None:
+            param.tensor.copy_(shard.to(param.tensor.dtype))
+        elif not torch.equal(shard.to(param.tensor.dtype), param.tensor):  # the owner is loaded by now
+            raise CheckpointError(
+                f"{names[0]!r} in {checkpoint.directory} differs from {owner!r}; Megatron's MTP layers share "
+                "the main model's embedding and output layer, so the checkpoint's copies must equal them"
+            )

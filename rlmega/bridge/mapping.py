@@ -1,10 +1,10 @@
 """Which HF tensors make each Megatron parameter, and how.
 
 Megatron parameters are named canonically: the layer index is the global one (Megatron's own
-``layer_number - 1``, so pipeline and virtual stages, even or not, need no arithmetic here), expert
-indices are global, and the local-spec names are used (the TE spec's fused-norm names are
-translated by ``canonical_te_name``). A ``Rule`` pairs a canonical name pattern with HF name
-templates and a transform.
+``layer_number - 1``, so pipeline and virtual stages, even or not, need no arithmetic here; an MTP
+layer takes its transformer layer's, see ``_mtp_rules``), expert indices are global, and the
+local-spec names are used (the TE spec's fused-norm names are translated by ``canonical_te_name``).
+A ``Rule`` pairs a canonical name pattern with HF name templates and a transform.
 
 Transforms convert between the HF tensors and the *TP-sharded* Megatron tensor of one rank, and
 back from the TP-gathered Megatron tensor:
@@ -70,8 +70,33 @@ def _expert_rules(moe: str, router: str, gate: str, up: str, down: str) -> list[
     ]
 
 
+def _mtp_rules(layer_rules: list[Rule]) -> list[Rule]:
+    """DeepSeek-V3 multi-token prediction, MTP layer k named by its global index num_layers + k
+    (``rlmega.bridge.params``), which is also HF's: a full decoder layer (``layer_rules``, moved
+    into the MTP layer's transformer_layer) plus the MTP norms and projection.
+
+    HF's MTP layer also stores copies of the embedding and LM head; Megatron's MTP shares the main
+    model's, and ``params`` names them ``embed_tokens`` / ``shared_head.head`` so they are exported
+    under HF's names too.
+    """
+    mtp, hf = "mtp.layers.{layer}", "model.layers.{layer}"
+    decoder_layer = "decoder.layers.{layer}."
+    return [
+        dataclasses.replace(rule, megatron=f"{mtp}.transformer_layer.{rule.megatron[len(decoder_layer):]}")
+        for rule in layer_rules if rule.megatron.startswith(decoder_layer)
+    ] + [
+        Rule(f"{mtp}.enorm.weight", (f"{hf}.enorm.weight",)),
+        Rule(f"{mtp}.hnorm.weight", (f"{hf}.hnorm.weight",)),
+        # Both concatenate [embedding; hidden states] before the projection.
+        Rule(f"{mtp}.eh_proj.weight", (f"{hf}.eh_proj.weight",)),
+        Rule(f"{mtp}.final_layernorm.weight", (f"{hf}.shared_head.norm.weight",)),
+        Rule(f"{mtp}.embed_tokens.weight", (f"{hf}.embed_tokens.weight",), VOCAB),
+        Rule(f"{mtp}.shared_head.head.weight", (f"{hf}.shared_head.head.weight",), VOCAB),
+    ]
+
+
 def _deepseek_v3_rules() -> list[Rule]:
-    """Multi-Latent Attention, dense first layers, routed + shared experts, router score bias.
+    """Multi-Latent Attention, dense first layers, routed + shared experts, router score bias, MTP.
 
     HF's per-head [nope; rope] rows (q_b_proj / q_proj) and [nope; v] rows (kv_b_proj), and its
     [kv latent; rope] rows (kv_a_proj_with_mqa), are laid out as Megatron's: plain copies. The
@@ -83,7 +108,7 @@ def _deepseek_v3_rules() -> list[Rule]:
     hf_moe = "model.layers.{layer}.mlp"
     shared = f"{layer}.mlp.shared_experts"
     not_attention = [rule for rule in _dense_rules() if ".self_attention." not in rule.megatron]
-    return not_attention + [
+    rules = not_attention + [
         Rule(f"{attn}.linear_q_proj.weight", (f"{hf_attn}.q_proj.weight",)),
         Rule(f"{attn}.linear_q_down_proj.weight", (f"{hf_attn}.q_a_proj.weight",)),
         Rule(f"{attn}.q_layernorm.weight", (f"{hf_attn}.q_a_layernorm.weight",)),
@@ -97,6 +122,7 @@ def _deepseek_v3_rules() -> list[Rule]:
              (f"{hf_moe}.shared_experts.gate_proj.weight", f"{hf_moe}.shared_experts.up_proj.weight"), GATE_UP),
         Rule(f"{shared}.linear_fc2.weight", (f"{hf_moe}.shared_experts.down_proj.weight",)),
     ] + _expert_rules("mlp", "gate", "gate_proj", "up_proj", "down_proj")
+    return rules + _mtp_rules(rules)
 
 
 RULES: dict[str, list[Rule]] = {

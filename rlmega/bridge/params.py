@@ -1,4 +1,10 @@
-"""This rank's Megatron parameters under canonical names, with how they are tensor-parallel split."""
+"""This rank's Megatron parameters under canonical names, with how they are tensor-parallel split.
+
+Canonical names use global layer and expert indices. Multi-token-prediction (MTP) layer k is named
+``mtp.layers.{num_layers + k}``: Megatron numbers its transformer layer after the decoder's (its
+``layer_number - 1`` is ``num_layers + k``) and HF stores it as ``model.layers.{num_layers + k}``,
+so the index is the same in all three and never collides with a decoder layer's.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +18,11 @@ from rlmega.bridge.mapping import Geometry, canonical_te_name
 from rlmega.models.spec import ModelSpec
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 _EXPERT_BIAS = ".mlp.router.expert_bias"
+_EMBEDDING = "embedding.word_embeddings.weight"
+_OUTPUT_LAYER = "output_layer.weight"
 
 
 @dataclasses.dataclass
@@ -26,7 +35,13 @@ class LocalParam:
     is_expert: bool
     """Split over the expert-tensor-parallel group rather than the tensor-parallel group."""
     tied_output: bool = False
-    """The last stage's copy of tied input embeddings (``output_layer.weight`` with pp > 1)."""
+    """A later pipeline stage's copy of the input embedding: the tied output layer
+    (``output_layer.weight`` with pp > 1) or the MTP stage's embedding. Loaded from the embedding's
+    HF tensor, never exported (the first stage exports the embedding)."""
+    copy_of: Optional[str] = None
+    """Set on a second name of a parameter (DeepSeek's MTP ``embed_tokens`` / ``shared_head.head``,
+    which are Megatron's shared embedding / output layer): the canonical name of that parameter.
+    Exported under both names; on load, the HF copy must equal the parameter's HF tensor."""
 
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -36,17 +51,45 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
+def _partition_dim(param: torch.Tensor) -> Optional[int]:
+    return param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+
+
+def _global_expert(transformer_layer: torch.nn.Module, rest: str) -> str:
+    """``rest`` (a name inside a layer) with its local expert index made global."""
+    expert = _EXPERT.match(rest)
+    if not expert:
+        return rest
+    global_expert = transformer_layer.mlp.local_expert_indices[int(expert.group(1))]
+    return f"mlp.experts.local_experts.{global_expert}.{expert.group(2)}"
+
+
 def _canonical(model: torch.nn.Module, name: str) -> str:
     match = _LAYER.match(name)
-    if not match:
-        return canonical_te_name(name)
-    local_index, rest = int(match.group(1)), match.group(2)
-    layer = model.decoder.layers[local_index]
-    expert = _EXPERT.match(rest)
-    if expert:
-        global_expert = layer.mlp.local_expert_indices[int(expert.group(1))]
-        rest = f"mlp.experts.local_experts.{global_expert}.{expert.group(2)}"
-    return canonical_te_name(f"decoder.layers.{layer.layer_number - 1}.{rest}")
+    if match:
+        layer = model.decoder.layers[int(match.group(1))]
+        return canonical_te_name(f"decoder.layers.{layer.layer_number - 1}.{_global_expert(layer, match.group(2))}")
+    match = _MTP_LAYER.match(name)
+    if match:
+        transformer_layer = model.mtp.layers[int(match.group(1))].transformer_layer
+        rest = match.group(2)
+        if rest.startswith("transformer_layer."):
+            rest = "transformer_layer." + _global_expert(transformer_layer, rest[len("transformer_layer."):])
+        return canonical_te_name(f"mtp.layers.{transformer_layer.layer_number - 1}.{rest}")
+    return canonical_te_name(name)
+
+
+def _mtp_shared_params(model: torch.nn.Module) -> Iterator[LocalParam]:
+    """Each MTP layer's names for the embedding and output layer it shares with the main model."""
+    if getattr(model, "mtp", None) is None:
+        return
+    embedding, output = model.embedding.word_embeddings.weight, model.output_layer.weight
+    for mtp_layer in model.mtp.layers:
+        prefix = f"mtp.layers.{mtp_layer.transformer_layer.layer_number - 1}"
+        for suffix, tensor, owner in (("embed_tokens.weight", embedding, _EMBEDDING),
+                                      ("shared_head.head.weight", output, _OUTPUT_LAYER)):
+            yield LocalParam(canonical=f"{prefix}.{suffix}", tensor=tensor, partition_dim=_partition_dim(tensor),
+                             is_expert=False, copy_of=owner)
 
 
 def _checkpoint_buffers(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -57,21 +100,22 @@ def _checkpoint_buffers(model: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
 
 
 def local_params(chunks: list) -> Iterator[LocalParam]:
-    """Every parameter of this rank's model chunks, then its weight buffers, in a deterministic order."""
+    """Per chunk, in a deterministic order: every parameter, the weight buffers, then the second
+    names of shared parameters (``copy_of``), after the parameters they name."""
     for chunk in chunks:
         model = unwrap(chunk)
         tied = getattr(model, "share_embeddings_and_output_weights", False)
         for name, param in model.named_parameters():
-            split = getattr(param, "tensor_model_parallel", False)
             yield LocalParam(
                 canonical=_canonical(model, name),
                 tensor=param,
-                partition_dim=param.partition_dim if split else None,
+                partition_dim=_partition_dim(param),
                 is_expert=not getattr(param, "allreduce", True),
-                tied_output=tied and name == "output_layer.weight",
+                tied_output=(tied and name == _OUTPUT_LAYER) or (name == _EMBEDDING and not model.pre_process),
             )
         for name, buffer in _checkpoint_buffers(model):  # replicated on every TP and EP rank
             yield LocalParam(canonical=_canonical(model, name), tensor=buffer, partition_dim=None, is_expert=False)
+        yield from _mtp_shared_params(model)
 
 
 def tp_group_of(param: LocalParam):

@@ -1,5 +1,5 @@
 """DeepSeek-V3 (``DeepseekV3ForCausalLM``): Multi-Latent Attention, sigmoid-routed MoE with shared
-experts and a score-correction bias, and dense first layers.
+experts and a score-correction bias, dense first layers, and multi-token prediction (MTP) layers.
 
 Each HF behaviour is mapped to the Megatron-Core option that reproduces it exactly; anything that
 has no exact Megatron twin raises ``UnsupportedModelError`` naming the field.
@@ -90,6 +90,21 @@ def _router_fields(hf: architectures.HFConfig) -> dict:
     return fields
 
 
+def _mtp_fields(hf: architectures.HFConfig) -> dict:
+    """Multi-token prediction: HF's MTP layer k is the checkpoint's model.layers.{num_hidden_layers + k}."""
+    mtp_layers = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0
+    if not mtp_layers:
+        return {}
+    if hf.get("tie_word_embeddings"):
+        raise _unsupported("tie_word_embeddings=true with num_nextn_predict_layers > 0 is not supported")
+    if (hf.get("first_k_dense_replace") or 0) > hf["num_hidden_layers"]:
+        # HF's MTP layers would then be dense; Megatron builds them like the last decoder layer (MoE).
+        raise _unsupported(f"first_k_dense_replace={hf['first_k_dense_replace']} > num_hidden_layers "
+                           "with num_nextn_predict_layers > 0 is not supported")
+    # The MTP loss weight (lambda) DeepSeek-V3 ended pre-training with (0.3 for the first 10T tokens).
+    return dict(mtp_num_layers=mtp_layers, mtp_loss_scaling_factor=0.1)
+
+
 def deepseek_v3(hf: architectures.HFConfig) -> ModelSpec:
     if hf.get("hidden_act", "silu") != "silu":
         raise _unsupported(f"hidden_act={hf['hidden_act']!r} is not supported; supported: 'silu'")
@@ -104,12 +119,6 @@ def deepseek_v3(hf: architectures.HFConfig) -> ModelSpec:
         raise _unsupported(f"num_key_value_heads={hf['num_key_value_heads']} != num_attention_heads={heads} "
                            "is not supported")
     layers = hf["num_hidden_layers"]
-    mtp_layers = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0
-    if mtp_layers:
-        raise _unsupported(
-            f"num_nextn_predict_layers={mtp_layers} (multi-token prediction) is not supported yet; set it to 0 "
-            f"in config.json and drop the MTP tensors model.layers.{layers}.* if the checkpoint has them"
-        )
     shared = hf.get("n_shared_experts") or 0
     if shared < 1:
         raise _unsupported(f"n_shared_experts={shared} is not supported; supported: 1 or more")
@@ -140,6 +149,7 @@ def deepseek_v3(hf: architectures.HFConfig) -> ModelSpec:
         moe_aux_loss_coeff=hf.get("aux_loss_alpha", 1e-3),
         **_router_fields(hf),
         **_rope_fields(hf),
+        **_mtp_fields(hf),
     )
     return ModelSpec(
         architecture=hf["architectures"][0],

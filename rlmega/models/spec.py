@@ -7,7 +7,9 @@ a parallel layout.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import importlib.util
 import math
 from typing import Any, Optional
@@ -52,6 +54,11 @@ class ModelSpec:
     @property
     def num_experts(self) -> Optional[int]:
         return self.config.get("num_moe_experts")
+
+    @property
+    def mtp_num_layers(self) -> int:
+        """Multi-token prediction layers (DeepSeek-V3), all on the last pipeline stage."""
+        return self.config.get("mtp_num_layers") or 0
 
     def check_layout(self, layout: ParallelLayout) -> None:
         """Raise LayoutError unless this model can be split as ``layout`` says."""
@@ -137,6 +144,43 @@ class ModelSpec:
             layer_norm=LayerNormImpl,
         )
 
+    def mtp_block_spec(self, config, vp_stage: Optional[int] = None):
+        """The MTP block spec of one model chunk: None unless the model has MTP layers and the chunk
+        is the last pipeline stage. Each MTP layer's transformer layer is built like the last decoder
+        layer (MoE where the model has experts)."""
+        if not self.mtp_num_layers:
+            return None
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        return get_gpt_mtp_block_spec(config, self.layer_spec(), has_transformer_engine(), vp_stage=vp_stage)
+
+
+@functools.cache
+def _gpt_model_with_mtp():
+    """GPTModel whose forward without labels skips MTP and returns the main logits.
+
+    Megatron-Core 0.16 runs the MTP layers and their loss whenever ``mtp_num_layers`` is set, and
+    calls ``labels.clone()`` for it; logits-only forwards (log-probabilities, evaluation) have no
+    labels, and MTP never changes the main logits. (The MTP layers then get no gradient: a step
+    that should train them must pass labels.)
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    class GPTModelWithMTP(GPTModel):
+        def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
+            if labels is not None:
+                return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
+            # A config without MTP for this module's _postprocess only; its layers keep the shared one.
+            shared_config, self.config = self.config, copy.copy(self.config)
+            self.config.mtp_num_layers = None
+            kwargs["mtp_in_postprocess"] = False
+            try:
+                return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
+            finally:
+                self.config = shared_config
+
+    return GPTModelWithMTP
+
 
 def build_chunks(spec: ModelSpec, layout: ParallelLayout, config=None) -> list:
     """This rank's GPTModel chunks (one per virtual pipeline stage), not yet wrapped in DDP.
@@ -147,12 +191,13 @@ def build_chunks(spec: ModelSpec, layout: ParallelLayout, config=None) -> list:
     from megatron.core.models.gpt import GPTModel
 
     config = config or spec.transformer_config(layout)
+    model_class = _gpt_model_with_mtp() if spec.mtp_num_layers else GPTModel
     virtual = layout.virtual_stages > 1
     chunks = []
     for vp_stage in range(layout.virtual_stages):
         stage = vp_stage if virtual else None
         chunks.append(
-            GPTModel(
+            model_class(
                 config,
                 spec.decoder_spec(config, vp_stage=stage),
                 vocab_size=padded_vocab_size(spec.vocab_size, layout.tp),
@@ -165,6 +210,7 @@ def build_chunks(spec: ModelSpec, layout: ParallelLayout, config=None) -> list:
                 rope_scaling=spec.rope_scaling_factor is not None,
                 rope_scaling_factor=spec.rope_scaling_factor or 8.0,
                 vp_stage=stage,
+                mtp_block_spec=spec.mtp_block_spec(config, vp_stage=stage),
             )
         )
     return chunks

@@ -11,7 +11,7 @@ TINY = dict(
     q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
     n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
     routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=64,
-    num_nextn_predict_layers=0,  # MTP is not supported (see rlmega.models.deepseek)
+    num_nextn_predict_layers=0,  # MTP has its own tests (test_deepseek_mtp.py)
 )
 
 VARIANTS = {

@@ -67,7 +67,6 @@ def test_spec_maps_yarn_rope():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(num_nextn_predict_layers=1), r"num_nextn_predict_layers=1 \(multi-token prediction\)"),
     (dict(rms_norm_eps=1e-5), r"rms_norm_eps=1e-05"),
     (dict(norm_topk_prob=False), r"norm_topk_prob=False with num_experts_per_tok=2"),
     (dict(num_experts_per_tok=4, n_group=2, topk_group=1), r"num_experts_per_tok=4 with topk_group=1"),
