@@ -81,6 +81,9 @@ MOE_LAYOUTS = {
     "tp2-etp2": dict(tp=2, etp=2),
     "tp2-ep2": dict(tp=2, ep=2),
     "pp2-ep2": dict(pp=2, ep=2),
+    "pp2-vpp2": dict(pp=2, vpp=2),
+    "tp2-pp2": dict(tp=2, pp=2),
+    "tp2-ep2-etp2": dict(tp=2, ep=2, etp=2),
 }
 CASES = [(arch, name, layout) for arch in ("llama", "qwen2-tied", "qwen3") for name, layout in DENSE_LAYOUTS.items()]
 CASES += [(arch, name, layout) for arch in ("qwen3-moe", "mixtral") for name, layout in MOE_LAYOUTS.items()]

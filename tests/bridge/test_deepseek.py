@@ -198,6 +198,7 @@ LAYOUTS = {
     "pp2-vpp2": dict(pp=2, vpp=2),
     "ep2": dict(ep=2),
     "tp2-ep2": dict(tp=2, ep=2),
+    "tp2-pp2": dict(tp=2, pp=2),  # tp=2 alone also splits the experts (etp follows tp without ep)
 }
 CASES = [("deepseek-v3", name, layout) for name, layout in LAYOUTS.items()]
 CASES += [("deepseek-v3-no-q-lora", "tp2", LAYOUTS["tp2"]), ("deepseek-v3-yarn", "tp1", LAYOUTS["tp1"])]
