@@ -1,16 +1,16 @@
 """A sharded Megatron model -> a stream of ``(hf_name, tensor)``, bucket by bucket.
 
-Collective: every rank of the job calls ``export_hf_weights`` and receives every tensor. Each
-Megatron parameter is gathered once: its data-parallel replica 0 all-gathers the tensor-parallel
-shards inside the TP group, converts them to HF tensors on TP rank 0 (the owner), and the owner
-broadcasts them to all ranks packed in buckets of at most ``bucket_bytes`` (a tensor larger than
-that travels alone). Peak extra memory per rank is about one bucket plus the largest tensor.
+Collective: every rank of the job calls ``export_hf_weights``; the ranks in ``destinations``
+(default: all) receive every tensor. Each Megatron parameter is gathered once: its data-parallel
+replica 0 gathers the tensor-parallel shards inside the TP group, converts them to HF tensors on
+TP rank 0 (the owner), and the owner sends them to the destinations (a broadcast when that is
+every rank), packed in buckets of at most ``bucket_bytes`` (a tensor larger than that travels alone). Peak extra memory per rank is about one bucket plus the largest tensor.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -131,28 +131,57 @@ def _fill(units: list[_Unit], exported: dict, geometry) -> Optional[torch.Tensor
     return buffer
 
 
+def _deliver(payload: Optional[torch.Tensor], owner: int, template: torch.Tensor, destinations) -> Optional[torch.Tensor]:
+    """Move ``payload`` from ``owner`` to the destination ranks (all ranks when None); returns it
+    on destinations, None elsewhere. ``template`` is an empty tensor of the payload's shape and dtype."""
+    rank = dist.get_rank()
+    if destinations is None:
+        payload = payload if rank == owner else template
+        dist.broadcast(payload, src=owner)
+        return payload
+    if rank == owner:
+        for destination in destinations:
+            if destination != owner:
+                dist.send(payload, dst=destination)
+        return payload if owner in destinations else None
+    if rank in destinations:
+        dist.recv(template, src=owner)
+        return template
+    return None
+
+
 @torch.no_grad()
-def export_hf_weights(chunks: list, spec: ModelSpec, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield every HF tensor of the model on every rank (see the module docstring)."""
+def export_hf_weights(
+    chunks: list, spec: ModelSpec, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, destinations: Optional[Sequence[int]] = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every HF tensor of the model on each rank of ``destinations`` (every rank when None).
+
+    Collective: every rank calls it and iterates to the end, destination or not, because the TP
+    gathers need all of them; ranks outside ``destinations`` yield nothing.
+    """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    if destinations is not None:
+        destinations = sorted(set(destinations))
+        invalid = [r for r in destinations if not 0 <= r < dist.get_world_size()]
+        if invalid:
+            raise ValueError(f"destinations {invalid} are not ranks of this job (world size {dist.get_world_size()})")
     geometry = geometry_of(spec)
     exported = _exported_params(chunks, spec)
-    rank = dist.get_rank()
     for bucket in _buckets(_announce(exported, spec), bucket_bytes):
         for owner in sorted({unit.owner for unit in bucket}):
             units = [unit for unit in bucket if unit.owner == owner]
             payload = _fill(units, exported, geometry)
             if len(units) == 1 and len(units[0].tensors) == 1:
                 name, shape, dtype = units[0].tensors[0]
-                if rank != owner:
-                    payload = torch.empty(shape, dtype=dtype)
-                dist.broadcast(payload, src=owner)
-                yield name, payload
+                payload = _deliver(payload, owner, torch.empty(shape, dtype=dtype), destinations)
+                if payload is not None:
+                    yield name, payload
                 continue
-            if rank != owner:
-                payload = torch.empty(sum(unit.nbytes for unit in units), dtype=torch.uint8)
-            dist.broadcast(payload, src=owner)
+            template = torch.empty(sum(unit.nbytes for unit in units), dtype=torch.uint8)
+            payload = _deliver(payload, owner, template, destinations)
+            if payload is None:
+                continue
             offset = 0
             for unit in units:
                 for name, shape, dtype in unit.tensors:

@@ -47,13 +47,15 @@ def _counted(stream: Iterable[tuple[str, torch.Tensor]], totals: dict) -> Iterat
 
 
 def push_weights(
-    chunks: list, spec: ModelSpec, engine: Optional[RolloutEngine], version: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    chunks: list, spec: ModelSpec, engine: Optional[RolloutEngine], version: int, *,
+    engine_rank: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> SyncStats:
-    """Stream this model's HF weights into ``engine`` as ``version`` (collective; ``engine`` None on
-    ranks that hold no engine). Returns what moved and how fast, as seen by this rank."""
+    """Stream this model's HF weights into ``engine`` as ``version``. Collective; ``engine`` is the
+    engine on ``engine_rank`` and None elsewhere (only that rank receives the tensors). Returns what
+    reached this rank and how fast."""
     totals = {"tensors": 0, "bytes": 0}
     started = time.perf_counter()
-    stream = _counted(export_hf_weights(chunks, spec, bucket_bytes=bucket_bytes), totals)
+    stream = _counted(export_hf_weights(chunks, spec, bucket_bytes=bucket_bytes, destinations=[engine_rank]), totals)
     if engine is None:
         for _ in stream:
             pass

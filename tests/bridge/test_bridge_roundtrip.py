@@ -50,7 +50,7 @@ def _megatron_logits(chunks, tokens):
     return torch.cat(shards, dim=-1)[..., :VOCAB]
 
 
-def _import_run_export(rank, world_size, layout, hf_dir, bucket_bytes):
+def _import_run_export(rank, world_size, layout, hf_dir, bucket_bytes, destinations=None):
     initialize(layout)
     spec = model_spec_from_hf(hf_dir)
     chunks = build_chunks(spec, layout)
@@ -60,7 +60,7 @@ def _import_run_export(rank, world_size, layout, hf_dir, bucket_bytes):
     with torch.no_grad():
         logits = _megatron_logits(chunks, probe_tokens())
     exported = {}
-    for name, tensor in export_hf_weights(chunks, spec, bucket_bytes=bucket_bytes):
+    for name, tensor in export_hf_weights(chunks, spec, bucket_bytes=bucket_bytes, destinations=destinations):
         assert name not in exported, f"{name} exported twice"
         exported[name] = tensor.clone()
     destroy()
@@ -113,7 +113,15 @@ def test_import_matches_hf_logits_and_export_is_bit_identical(arch, layout_name,
     assert_round_trip(results, directory, hf_logits)
 
 
-def assert_round_trip(results, directory, hf_logits):
+def test_export_to_one_destination_reaches_only_that_rank(hf_checkpoints):
+    directory, hf_logits = hf_checkpoints["qwen3-moe"]
+    layout = ParallelLayout(tp=2, ep=2, world_size=4)
+    results = run_on_ranks(_import_run_export, 4, timeout_s=TIMEOUT_S, args=(layout, str(directory), 64 * 1024, [3]))
+    assert_round_trip(results, directory, hf_logits, everyone_receives=False)  # rank 3: everything, bit-identical
+    assert all(names == [] for _, names in results[:-1])  # the others: nothing
+
+
+def assert_round_trip(results, directory, hf_logits, everyone_receives=True):
     """Every last-stage rank's logits match HF; the stream equals the saved checkpoint bit for bit."""
     last_stage_logits = [logits for logits, _ in results if logits is not None]
     assert last_stage_logits
@@ -125,5 +133,6 @@ def assert_round_trip(results, directory, hf_logits):
     assert sorted(exported) == sorted(saved), "exported keys differ from the checkpoint's"
     for name, tensor in saved.items():
         assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
-    for _, names in results[:-1]:  # every rank received the same stream
-        assert names == sorted(saved)
+    if everyone_receives:
+        for _, names in results[:-1]:  # every rank received the same stream
+            assert names == sorted(saved)
