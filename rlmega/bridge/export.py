@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from rlmega.bridge.mapping import RuleBook, to_hf
-from rlmega.bridge.params import geometry_of, local_params, tp_group_of
+from rlmega.bridge.params import gathered_shape, geometry_of, local_params, tp_group_of
 from rlmega.models.spec import ModelSpec
 
 DEFAULT_BUCKET_BYTES = 256 * 1024**2
@@ -61,9 +61,7 @@ def _gather(param, group, tp_rank: int, tp: int) -> torch.Tensor:
     tensor = param.tensor.detach()
     if param.partition_dim is None or tp == 1:
         return tensor
-    shape = list(tensor.shape)
-    shape[param.partition_dim] *= tp
-    full = torch.empty(shape, dtype=tensor.dtype)
+    full = torch.empty(gathered_shape(param, tp), dtype=tensor.dtype)
     for shard_rank, block in enumerate(full.chunk(tp, dim=param.partition_dim)):
         target = block if block.is_contiguous() else torch.empty_like(tensor)
         if shard_rank == tp_rank:
@@ -81,10 +79,7 @@ def _announce(exported: dict, spec: ModelSpec) -> list[_Unit]:
     for canonical, (param, rule, names, _, tp_rank, tp) in exported.items():
         if tp_rank != 0:
             continue
-        shape = list(param.tensor.shape)
-        if param.partition_dim is not None:
-            shape[param.partition_dim] *= tp
-        probe = torch.empty(shape, dtype=param.tensor.dtype, device="meta")
+        probe = torch.empty(gathered_shape(param, tp), dtype=param.tensor.dtype, device="meta")
         hf = to_hf(rule, probe, names, geometry, tp)
         mine.append(_Unit(canonical, rank, tuple((n, tuple(t.shape), t.dtype) for n, t in hf.items())))
     everyone = [None] * dist.get_world_size()
