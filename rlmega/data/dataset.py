@@ -1,0 +1,142 @@
+"""Prompt datasets: schema-checked rows from files, rendered with the chat template, tokenized, length-limited."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlmega.data.files import read_rows
+from rlmega.data.schema import DataFormatError, Message, PromptRecord, parse_row
+
+TRUNCATION_MODES = ("error", "left", "right")
+_ENCODE_CHUNK = 1024
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from and how they become token ids."""
+
+    files: list[str] = field(default_factory=list)
+    """Dataset files (``.parquet`` or ``.jsonl``), read in order and concatenated."""
+    max_prompt_length: int = 1024
+    """Longest prompt, in tokens, after the chat template."""
+    truncation: str = "error"
+    """What to do with a longer prompt that is not filtered: ``error`` (stop, naming the row), ``left`` (keep the
+    last ``max_prompt_length`` tokens) or ``right`` (keep the first ones)."""
+    filter_overlong_prompts: bool = False
+    """Drop prompts longer than ``max_prompt_length`` at load (counted in ``PromptDataset.num_filtered``);
+    ``truncation`` then never applies."""
+    use_chat_template: bool = True
+    """Render messages with the tokenizer's chat template (with the generation prompt). Off: the text of the
+    messages, joined by newlines, is tokenized as it is (with the tokenizer's own special tokens, e.g. BOS)."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables for the chat template (e.g. ``{"enable_thinking": False}``)."""
+    prompt_key: str = "prompt"
+    """The column holding the prompt."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.files, (str, os.PathLike)):
+            self.files = [self.files]
+        self.files = [os.fspath(path) for path in self.files]
+        if not self.files:
+            raise ValueError("DataConfig.files: at least one dataset file is required")
+        if self.max_prompt_length < 1:
+            raise ValueError(f"DataConfig.max_prompt_length must be >= 1, got {self.max_prompt_length}")
+        if self.truncation not in TRUNCATION_MODES:
+            raise ValueError(f"DataConfig.truncation must be one of {list(TRUNCATION_MODES)}, got {self.truncation!r}")
+
+
+def prompt_text(messages: Sequence[Message], tokenizer: Any, use_chat_template: bool = True,
+                chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    """The text a prompt is tokenized from: the chat template with the generation prompt, or the raw contents."""
+    if not use_chat_template:
+        return "\n".join(message["content"] for message in messages)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            "the tokenizer has no chat template; set DataConfig.use_chat_template=False to tokenize raw text"
+        )
+    return tokenizer.apply_chat_template(
+        list(messages), add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {})
+    )
+
+
+class PromptDataset:
+    """Every prompt of the configured files as a ``PromptRecord``, indexable and batchable.
+
+    Rows are checked against the schema, rendered, tokenized, then filtered or truncated to
+    ``max_prompt_length``; any error names the file and row.
+    """
+
+    def __init__(self, config: DataConfig, tokenizer: Any):
+        self.config = config
+        self.num_filtered = 0
+        self.num_truncated = 0
+        self.records: list[PromptRecord] = []
+        for path in config.files:
+            self._load_file(path, tokenizer)
+        if not self.records:
+            raise ValueError(
+                f"no prompts left from {config.files} (filtered as too long: {self.num_filtered}, "
+                f"max_prompt_length={config.max_prompt_length})"
+            )
+
+    def _load_file(self, path: str, tokenizer: Any) -> None:
+        config = self.config
+        parsed = [parse_row(row, path, row_number, config.prompt_key) for row_number, row in enumerate(read_rows(path))]
+        texts = [
+            prompt_text(row.messages, tokenizer, config.use_chat_template, config.chat_template_kwargs)
+            for row in parsed
+        ]
+        token_ids: list[list[int]] = []
+        for start in range(0, len(texts), _ENCODE_CHUNK):
+            encoded = tokenizer(texts[start:start + _ENCODE_CHUNK], add_special_tokens=not config.use_chat_template)
+            token_ids.extend(list(ids) for ids in encoded["input_ids"])
+        for row_number, (row, ids) in enumerate(zip(parsed, token_ids)):
+            if not ids:
+                raise DataFormatError(f"{path} row {row_number}: the prompt tokenizes to no tokens")
+            ids = self._fit_length(ids, path, row_number)
+            if ids is None:
+                continue
+            self.records.append(PromptRecord(
+                index=len(self.records),
+                prompt_token_ids=ids,
+                messages=row.messages,
+                data_source=row.data_source,
+                ground_truth=row.ground_truth,
+                reward_style=row.reward_style,
+                extra_info=row.extra_info,
+                source_file=path,
+                source_row=row_number,
+            ))
+
+    def _fit_length(self, ids: list[int], path: str, row_number: int) -> list[int] | None:
+        limit = self.config.max_prompt_length
+        if len(ids) <= limit:
+            return ids
+        if self.config.filter_overlong_prompts:
+            self.num_filtered += 1
+            return None
+        if self.config.truncation == "error":
+            raise DataFormatError(
+                f"{path} row {row_number}: prompt is {len(ids)} tokens, longer than max_prompt_length={limit}; "
+                "set truncation to 'left' or 'right', or filter_overlong_prompts=True"
+            )
+        self.num_truncated += 1
+        return ids[-limit:] if self.config.truncation == "left" else ids[:limit]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> PromptRecord:
+        return self.records[index]
+
+    def batch(self, indices: Sequence[int]) -> list[PromptRecord]:
+        """The records at ``indices`` (e.g. one batch from ``StatefulSampler.next_batch``), in that order."""
+        return [self.records[index] for index in indices]
+
+    @property
+    def data_sources(self) -> set[str]:
+        """Every ``data_source`` in the dataset (to check the reward scorers up front)."""
+        return {record.data_source for record in self.records}

@@ -1,0 +1,8 @@
+import pytest
+
+from rlmega.data import build_char_tokenizer
+
+
+@pytest.fixture(scope="session")
+def char_tokenizer():
+    return build_char_tokenizer()
