@@ -1,0 +1,69 @@
+"""User reward functions given as ``path/to/file.py:function``, and the conversion of any scorer's return value.
+
+The function is called with keyword arguments, as verl calls it::
+
+    compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=...)
+
+and returns a number (bool and int count) or a dict with a numeric ``score``; the dict's other numeric entries
+are reported as metrics, the rest ignored.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import numbers
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any, Callable
+
+
+def parse_function_spec(spec: str) -> tuple[str, str]:
+    """``"path/to/file.py:fn"`` as (absolute file path, function name); ValueError naming what is wrong."""
+    path, separator, name = str(spec).rpartition(":")
+    if not separator or not path.endswith(".py") or not name.isidentifier():
+        raise ValueError(f"reward function {spec!r} must be given as 'path/to/file.py:function_name'")
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(path):
+        raise ValueError(f"reward function {spec!r}: file not found: {path}")
+    return path, name
+
+
+def load_function(spec: str) -> Callable[..., Any]:
+    """Import the file of ``spec`` as a module (its folder joins ``sys.path`` so it can import its neighbours) and
+    return the named callable."""
+    path, name = parse_function_spec(spec)
+    folder = os.path.dirname(path)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    module_name = "rlmega_user_reward_" + os.path.splitext(os.path.basename(path))[0]
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module
+    module_spec.loader.exec_module(module)
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise ValueError(f"reward function {spec!r}: {path} defines no callable named {name!r}")
+    return function
+
+
+def _as_number(value: Any) -> float | None:
+    if isinstance(value, numbers.Real) and math.isfinite(float(value)):
+        return float(value)
+    return None
+
+
+def as_score(result: Any) -> tuple[float, dict[str, float]]:
+    """A scorer's return value as (score, numeric extras); TypeError when it has no finite numeric score."""
+    if isinstance(result, Mapping):
+        if "score" not in result:
+            raise TypeError(f"reward dict has no 'score' key (keys: {sorted(map(str, result))})")
+        score = _as_number(result["score"])
+        extras = {str(key): _as_number(value) for key, value in result.items() if key != "score"}
+        extras = {key: value for key, value in extras.items() if value is not None}
+    else:
+        score, extras = _as_number(result), {}
+    if score is None:
+        raise TypeError(f"reward must be a finite number or a dict with a numeric 'score', got {result!r:.120}")
+    return score, extras
