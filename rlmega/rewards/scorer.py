@@ -46,6 +46,11 @@ class ScoreItem:
     ground_truth: Any
     extra_info: dict[str, Any] | None = None
 
+    @classmethod
+    def from_record(cls, record: Any, solution_str: str) -> ScoreItem:
+        """The item for a decoded response to a ``rlmega.data.PromptRecord``."""
+        return cls(record.data_source, solution_str, record.ground_truth, record.extra_info)
+
 
 class RewardScorer:
     """Scores batches of responses by rule or with a user function; failures score 0 and are counted.

@@ -173,3 +173,15 @@ def test_missing_chat_template_is_explained(char_tokenizer):
 
     with pytest.raises(ValueError, match="use_chat_template=False"):
         prompt_text([{"role": "user", "content": "x"}], NoTemplate())
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path):
+    from rlmega.data import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = "{% if think %}T{% endif %}{{ messages[0]['content'] }}"
+    path = write_rows([_countdown_row(prompt="q")], tmp_path / "t.jsonl")
+    plain = PromptDataset(DataConfig(files=[path]), tokenizer)[0]
+    thinking = PromptDataset(DataConfig(files=[path], chat_template_kwargs={"think": True}), tokenizer)[0]
+    assert tokenizer.decode(plain.prompt_token_ids) == "q"
+    assert tokenizer.decode(thinking.prompt_token_ids) == "Tq"

@@ -129,6 +129,17 @@ def test_rules_in_workers_match_rules_in_process():
     assert in_process[0] == [1.0, 1.0, 1.0, 0.0]
 
 
+def test_items_from_prompt_records(tmp_path):
+    from rlmega.data import DataConfig, PromptDataset, build_char_tokenizer, write_arithmetic_dataset
+
+    path = write_arithmetic_dataset(tmp_path / "train.parquet", num_rows=4, seed=0)
+    records = PromptDataset(DataConfig(files=[path]), build_char_tokenizer()).records
+    responses = [record.ground_truth if index % 2 == 0 else "-1" for index, record in enumerate(records)]
+    items = [ScoreItem.from_record(record, response) for record, response in zip(records, responses)]
+    assert items[0].extra_info == records[0].extra_info
+    assert RewardScorer().score_batch(items)[0] == [1.0, 0.0, 1.0, 0.0]
+
+
 def test_unknown_data_source_is_a_configuration_error():
     with pytest.raises(ValueError, match=r"no rule scorer for data_source 'my/task'; valid: \["):
         RewardScorer().score_batch(_items("42"))
