@@ -50,6 +50,10 @@ class _Worker:
         try:
             self.process = subprocess.Popen(command, pass_fds=(task_read, result_write), start_new_session=True,
                                             stdin=subprocess.DEVNULL, env=env)
+        except BaseException:
+            os.close(task_write)
+            os.close(result_read)
+            raise
         finally:
             os.close(task_read)
             os.close(result_write)
