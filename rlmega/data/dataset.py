@@ -40,8 +40,6 @@ class DataConfig:
         if isinstance(self.files, (str, os.PathLike)):
             self.files = [self.files]
         self.files = [os.fspath(path) for path in self.files]
-        if not self.files:
-            raise ValueError("DataConfig.files: at least one dataset file is required")
         if self.max_prompt_length < 1:
             raise ValueError(f"DataConfig.max_prompt_length must be >= 1, got {self.max_prompt_length}")
         if self.truncation not in TRUNCATION_MODES:
@@ -70,6 +68,8 @@ class PromptDataset:
     """
 
     def __init__(self, config: DataConfig, tokenizer: Any):
+        if not config.files:
+            raise ValueError("DataConfig.files: at least one dataset file is required")
         self.config = config
         self.num_filtered = 0
         self.num_truncated = 0

@@ -164,7 +164,7 @@ def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="DataConfig.max_prompt_length"):
         DataConfig(files=["a.parquet"], max_prompt_length=0)
     with pytest.raises(ValueError, match="DataConfig.files"):
-        DataConfig()
+        PromptDataset(DataConfig(), tokenizer=None)
 
 
 def test_missing_chat_template_is_explained(char_tokenizer):
