@@ -11,7 +11,7 @@ import sys
 from typing import Callable, Dict, List, Optional, Tuple
 
 import rlmega
-from rlmega.cli import doctor, quickstart
+from rlmega.cli import convert, doctor, quickstart
 
 AddArguments = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]
@@ -20,6 +20,7 @@ Run = Callable[[argparse.Namespace], int]
 SUBCOMMANDS: Dict[str, Tuple[str, AddArguments, Run]] = {
     "quickstart": (quickstart.HELP, quickstart.add_arguments, quickstart.run),
     "doctor": (doctor.HELP, doctor.add_arguments, doctor.run),
+    "convert": (convert.HELP, convert.add_arguments, convert.run),
 }
 
 DESCRIPTION = (

@@ -1,0 +1,200 @@
+"""Megatron torch_dist checkpoint -> Hugging Face safetensors directory, without building a model.
+
+Every model tensor of the checkpoint is named canonically (``megatron_checkpoint``), mapped by the
+bridge's rules (``rlmega.bridge.mapping``, the same ones the live export uses) and checked, before
+anything is written, against the tensors the ``--hf-base`` config implies. Then tensors are read,
+converted and written one bucket at a time: peak memory is about one bucket plus the largest
+parameter, whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+from converters.errors import ConversionError
+from converters.hf_files import TOKENIZER_FILES, expected_tensors, read_base, write_model_files
+from converters.megatron_checkpoint import MegatronCheckpoint, StoredParam
+from converters.output import atomic_directory, check_disk_space, check_output
+from converters.safetensors_writer import Entry, ShardedSafetensorsWriter
+
+DEFAULT_BUCKET_BYTES = 1024**3
+DEFAULT_SHARD_BYTES = 5 * 1024**3
+_EMBEDDING, _OUTPUT_LAYER = "embedding.word_embeddings.weight", "output_layer.weight"
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One Megatron parameter and the HF tensors it becomes."""
+
+    param: StoredParam
+    rule: object
+    hf: tuple[tuple[str, tuple[int, ...]], ...]
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(region.nbytes for region in self.param.parts)
+
+
+def _natural(name: str) -> tuple:
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+
+
+def _mtp_copies(params: list[StoredParam]) -> list[StoredParam]:
+    """HF's MTP layers store copies of the embedding and LM head, which Megatron's MTP shares with
+    the main model: the same stored data under the MTP names the bridge maps."""
+    by_name = {param.canonical: param for param in params}
+    layers = sorted({int(m.group(1)) for p in params if (m := _MTP_LAYER.match(p.canonical))})
+    copies = []
+    for layer in layers:
+        for suffix, source in (("embed_tokens.weight", _EMBEDDING), ("shared_head.head.weight", _OUTPUT_LAYER)):
+            if source in by_name:
+                copies.append(StoredParam(f"mtp.layers.{layer}.{suffix}", by_name[source].parts))
+    return copies
+
+
+def plan(checkpoint: MegatronCheckpoint, spec, config: dict, hf_base: Path) -> list[Unit]:
+    """Every HF tensor the checkpoint becomes, in HF's natural order; ConversionError if the
+    checkpoint and the ``--hf-base`` config disagree on any name or shape."""
+    from rlmega.bridge.mapping import RuleBook, hf_shapes
+    from rlmega.bridge.params import geometry_of
+
+    params = checkpoint.params(spec.num_layers)
+    if not params:
+        skipped = sorted(checkpoint.metadata.state_dict_metadata)
+        raise ConversionError(
+            f"{checkpoint.directory} holds no model weights ({len(skipped)} entries, e.g. {skipped[:1]}, all optimizer "
+            "state or non-tensor objects); pass a checkpoint saved with the model's state dict"
+        )
+    if spec.tie_word_embeddings:  # the embedding is the LM head; HF stores it once
+        params = [param for param in params if param.canonical != _OUTPUT_LAYER]
+    params += _mtp_copies(params)
+    book, geometry = RuleBook(spec.architecture), geometry_of(spec)
+    units = []
+    for param in params:
+        try:
+            rule, names = book.resolve(param.canonical)
+        except KeyError:
+            raise ConversionError(
+                f"checkpoint tensor {param.canonical!r} has no place in a {spec.architecture} model; "
+                f"pass the --hf-base of the model this checkpoint was trained from (not {hf_base})"
+            ) from None
+        shapes = hf_shapes(rule, torch.Size(param.shape), geometry)
+        units.append(Unit(param, rule, tuple(zip(names, shapes))))
+    units.sort(key=lambda unit: _natural(unit.hf[0][0]))
+    _check_against_base(units, spec, expected_tensors(hf_base, config), hf_base)
+    return units
+
+
+def _check_against_base(units: list[Unit], spec, expected: dict, hf_base: Path) -> None:
+    from rlmega.bridge.mapping import VOCAB
+
+    fix = f"pass the --hf-base of the model this checkpoint was trained from (not {hf_base})"
+    produced = {}
+    for unit in units:
+        numel = sum(torch.Size(shape).numel() for _, shape in unit.hf)
+        stored = torch.Size(unit.param.shape).numel()
+        if numel != stored and not (unit.rule.transform == VOCAB and numel <= stored):
+            raise ConversionError(
+                f"checkpoint tensor {unit.param.canonical!r} has shape {list(unit.param.shape)}, which the "
+                f"--hf-base config cannot split into {[list(s) for _, s in unit.hf]}; {fix}"
+            )
+        for name, shape in unit.hf:
+            if name in produced:
+                raise ConversionError(f"checkpoint maps two tensors to {name!r}; {fix}")
+            produced[name] = shape
+    for name, shape in produced.items():
+        layer = re.match(r"^model\.layers\.(\d+)\.", name)
+        if spec.mtp_num_layers and layer and int(layer.group(1)) >= spec.num_layers:
+            continue  # MTP layers: transformers does not build them, but its checkpoints carry them
+        if name not in expected:
+            raise ConversionError(f"the checkpoint has {name!r}, which a {spec.architecture} model per --hf-base does not; {fix}")
+        if tuple(expected[name]) != tuple(shape):
+            raise ConversionError(
+                f"the checkpoint gives {name!r} shape {list(shape)}, the --hf-base config implies "
+                f"{list(expected[name])}; {fix}"
+            )
+    missing = sorted(set(expected) - set(produced), key=_natural)
+    if missing:
+        raise ConversionError(
+            f"the checkpoint has no tensor for {missing[0]!r} ({len(missing)} missing) that the --hf-base config "
+            f"implies; {fix}, or a checkpoint that holds the whole model"
+        )
+
+
+def _buckets(units: list[Unit], bucket_bytes: int) -> Iterator[list[Unit]]:
+    bucket, size = [], 0
+    for unit in units:
+        if bucket and size + unit.read_bytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(unit)
+        size += unit.read_bytes
+    if bucket:
+        yield bucket
+
+
+def _progress(total: int, description: str, quiet: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=description,
+                disable=quiet, file=sys.stderr, dynamic_ncols=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    output: Path
+    num_tensors: int
+    num_shards: int
+    bytes_written: int
+    seconds: float
+
+
+def convert(checkpoint_path: str | Path, output: str | Path, hf_base: str | Path, *,
+            bucket_bytes: int = DEFAULT_BUCKET_BYTES, shard_bytes: int = DEFAULT_SHARD_BYTES,
+            dtype: Optional[torch.dtype] = None, overwrite: bool = False, quiet: bool = False) -> Result:
+    """Write the HF directory ``output`` from a torch_dist checkpoint (an iteration directory or
+    its parent). ``dtype`` None keeps the checkpoint's dtype."""
+    from rlmega.bridge.mapping import to_hf
+    from rlmega.bridge.params import geometry_of
+
+    started = time.perf_counter()
+    output, hf_base = Path(output), Path(hf_base)
+    check_output(output, overwrite)
+    config, spec = read_base(hf_base)
+    checkpoint = MegatronCheckpoint(checkpoint_path)
+    units = plan(checkpoint, spec, config, hf_base)
+    checkpoint.check_files({region.key for unit in units for region in unit.param.parts})
+    entries = [Entry(name, shape, dtype or unit.param.dtype) for unit in units for name, shape in unit.hf]
+    small_files = sum((hf_base / name).stat().st_size for name in TOKENIZER_FILES if (hf_base / name).is_file())
+    check_disk_space(output, sum(entry.nbytes for entry in entries) + small_files + 1024**2)
+    geometry = geometry_of(spec)
+
+    with atomic_directory(output, overwrite) as partial:
+        writer = ShardedSafetensorsWriter(partial, entries, shard_bytes)
+        try:
+            with _progress(writer.total_bytes, "mcore-to-hf", quiet) as progress:
+                for bucket in _buckets(units, bucket_bytes):
+                    regions = [region for unit in bucket for region in unit.param.parts]
+                    tensors = iter(checkpoint.read(regions))
+                    for unit in bucket:
+                        parts = [next(tensors) for _ in unit.param.parts]
+                        gathered = parts[0] if len(parts) == 1 else torch.cat(parts)
+                        names = tuple(name for name, _ in unit.hf)
+                        for name, tensor in to_hf(unit.rule, gathered, names, geometry, tp=1).items():
+                            tensor = tensor.to(dtype or tensor.dtype)
+                            writer.write(name, tensor)
+                            progress.update(tensor.numel() * tensor.element_size())
+                    del tensors, parts, gathered
+            writer.close()
+        finally:
+            writer.abort()
+        write_model_files(hf_base, partial, config, entries[0].dtype)
+    return Result(output, len(entries), len(writer.shards), writer.total_bytes, time.perf_counter() - started)
