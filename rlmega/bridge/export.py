@@ -154,6 +154,17 @@ def export_hf_weights(
     Collective: every rank calls it and iterates to the end, destination or not, because the TP
     gathers need all of them; ranks outside ``destinations`` yield nothing.
     """
+    for bucket in export_hf_buckets(chunks, spec, bucket_bytes=bucket_bytes, destinations=destinations):
+        yield from bucket
+
+
+@torch.no_grad()
+def export_hf_buckets(
+    chunks: list, spec: ModelSpec, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, destinations: Optional[Sequence[int]] = None
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``export_hf_weights`` one delivered payload at a time: a list of ``(hf_name, tensor)`` that
+    share one buffer, yielded before the next payload is gathered (so a consumer that ships
+    bucket n while the export builds bucket n+1 holds at most two)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     if destinations is not None:
@@ -171,15 +182,16 @@ def export_hf_weights(
                 name, shape, dtype = units[0].tensors[0]
                 payload = _deliver(payload, owner, torch.empty(shape, dtype=dtype), destinations)
                 if payload is not None:
-                    yield name, payload
+                    yield [(name, payload)]
                 continue
             template = torch.empty(sum(unit.nbytes for unit in units), dtype=torch.uint8)
             payload = _deliver(payload, owner, template, destinations)
             if payload is None:
                 continue
-            offset = 0
+            tensors, offset = [], 0
             for unit in units:
                 for name, shape, dtype in unit.tensors:
                     size = torch.Size(shape).numel() * dtype.itemsize
-                    yield name, payload[offset : offset + size].view(dtype).view(shape)
+                    tensors.append((name, payload[offset : offset + size].view(dtype).view(shape)))
                     offset += size
+            yield tensors
