@@ -5,7 +5,9 @@ The only Ray-aware part of ``rlmega.rollout``; engines themselves are plain in-p
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 
 import ray
 import torch
@@ -18,6 +20,10 @@ from rlmega.rollout.protocol import Generation, SamplingParams
 def start_engine_actor(model, *, num_cpus: float = 1, num_gpus: float = 0, **engine_kwargs) -> ActorHandle:
     """Start ``HFEngine(model, **engine_kwargs)`` in a new actor of the running Ray cluster."""
     return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(HFEngine).remote(model, **engine_kwargs)
+
+
+def _node_id(_actor) -> str:
+    return ray.get_runtime_context().get_node_id()
 
 
 class RemoteEngine:
@@ -34,18 +40,36 @@ class RemoteEngine:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         # A generator cannot cross processes: the stream travels in buckets of about bucket_bytes,
-        # one actor call each, and the version commits after the last.
+        # one actor call each, and the version commits after the last. At most two calls are in
+        # flight, so the actor copies bucket n in while this side gathers bucket n+1.
         ray.get(self.actor.begin_update.remote(version))
+        in_flight: deque = deque()
         bucket, size = [], 0
         for name, tensor in named_tensors:
             bucket.append((name, tensor.detach().clone()))  # the stream may reuse its buffers
             size += tensor.numel() * tensor.element_size()
             if size >= self.bucket_bytes:
-                ray.get(self.actor.write_weights.remote(bucket))
+                in_flight.append(self.actor.write_weights.remote(bucket))
                 bucket, size = [], 0
+                if len(in_flight) == 2:
+                    ray.get(in_flight.popleft())
         if bucket:
-            ray.get(self.actor.write_weights.remote(bucket))
+            in_flight.append(self.actor.write_weights.remote(bucket))
+        ray.get(list(in_flight))
         ray.get(self.actor.commit_update.remote())
+
+    def start_update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> Future:
+        """Start ``update_weights(named_tensors, version)`` inside the actor and return at once.
+
+        ``named_tensors`` is pickled into the actor's process and iterated there, so it must bring
+        its own tensors: a weight-sync transport's receiving side (``rlmega.sync``). The future
+        fails if the update raises or the actor dies."""
+        return self.actor.update_weights.remote(named_tensors, version).future()
+
+    def is_local(self) -> bool:
+        """Whether the actor runs on this process's Ray node (so host shared memory reaches it)."""
+        here = ray.get_runtime_context().get_node_id()
+        return ray.get(self.actor.__ray_call__.remote(_node_id)) == here
 
     def weight_version(self) -> int:
         return ray.get(self.actor.weight_version.remote())

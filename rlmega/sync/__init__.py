@@ -1,5 +1,22 @@
-"""Weight sync: trained Megatron shards -> rollout engines, versioned and checked."""
+"""Weight sync: trained Megatron shards -> rollout engines, through a transport, versioned and checked.
 
-from rlmega.sync.weight_sync import SyncStats, WeightSyncError, post_sync_check, push_weights
+See README.md in this folder.
+"""
 
-__all__ = ["SyncStats", "WeightSyncError", "post_sync_check", "push_weights"]
+from rlmega.sync.errors import StaleWeightsError, TransportError, WeightSyncError
+from rlmega.sync.transports import TRANSPORTS, Transport, make_transport, stream_update
+from rlmega.sync.weight_sync import SyncStats, post_sync_check, push_weights, require_version
+
+__all__ = [
+    "TRANSPORTS",
+    "StaleWeightsError",
+    "SyncStats",
+    "Transport",
+    "TransportError",
+    "WeightSyncError",
+    "make_transport",
+    "post_sync_check",
+    "push_weights",
+    "require_version",
+    "stream_update",
+]

@@ -1,0 +1,153 @@
+"""The control plane of the cross-process transports: a ``torch.distributed.TCPStore`` hosted by
+the sender, carrying small signed messages (bucket metadata, acknowledgements, failures).
+
+Messages are pickled (they hold dtypes and, for CUDA IPC, memory handles) and signed with a key
+that only the sender and the receivers it created know (the key travels inside the receiver
+object, through the channel that starts the engine's side, e.g. a Ray call), so another process
+that reaches the port cannot inject objects.
+
+Keys: ``bucket/{i}`` (sender -> receivers: a bucket, the end of the stream, or an abort),
+``ack/{rank}/{i}`` (a receiver has copied bucket i), ``done/{rank}`` (a receiver reached the end
+and handed it to its engine), ``fail`` (a receiver failed: which one, and why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import hmac
+import pickle
+import secrets
+import time
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from typing import Any, Callable, Optional, Sequence
+
+import torch.distributed as dist
+
+from rlmega.sync.errors import TransportError
+
+_DIGEST_BYTES = 32
+POLL_MIN_S = 0.0002
+POLL_MAX_S = 0.005
+_ENGINE_ERROR_GRACE_S = 2.0
+_SETTLE_S = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Address:
+    """Where receivers find the sender's store, and the key that signs messages."""
+
+    host: str
+    port: int
+    key: bytes
+    timeout_s: float
+
+
+class Channel:
+    """Signed messages over a TCPStore; one per process."""
+
+    def __init__(self, store: dist.Store, key: bytes):
+        self.store = store
+        self._key = key
+
+    @classmethod
+    def serve(cls, host: str, timeout_s: float) -> tuple["Channel", Address]:
+        """Start a store on a free port of ``host``; returns the channel and the receivers' address."""
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        key = secrets.token_bytes(32)
+        return cls(store, key), Address(host, store.port, key, timeout_s)
+
+    @classmethod
+    def connect(cls, address: Address) -> "Channel":
+        timeout = datetime.timedelta(seconds=address.timeout_s)
+        store = dist.TCPStore(address.host, address.port, is_master=False, timeout=timeout)
+        return cls(store, address.key)
+
+    def post(self, name: str, message: Any) -> None:
+        data = pickle.dumps(message)
+        self.store.set(name, hmac.new(self._key, data, hashlib.sha256).digest() + data)
+
+    def get(self, name: str) -> Any:
+        """The message under ``name``, waiting for it up to the store's timeout."""
+        return self._open(name, self.store.get(name))
+
+    def forget(self, *names: str) -> None:
+        for name in names:
+            self.store.delete_key(name)
+
+    def peek(self, name: str) -> Any:
+        """The message under ``name`` if there is one (None otherwise), without waiting."""
+        if not self.store.check([name]):
+            return None
+        return self._open(name, self.store.get(name))
+
+    def has(self, names: Sequence[str]) -> bool:
+        return self.store.check(list(names))
+
+    def _open(self, name: str, signed: bytes) -> Any:
+        digest, data = signed[:_DIGEST_BYTES], signed[_DIGEST_BYTES:]
+        if not hmac.compare_digest(digest, hmac.new(self._key, data, hashlib.sha256).digest()):
+            raise TransportError(f"control message {name!r} is not signed by this transfer's sender; refusing it")
+        return pickle.loads(data)
+
+
+class Watch:
+    """What a sender waits on besides its own transfers: the engines' update calls (a Future each,
+    failing if the engine raised or died) and the receivers' failure reports. Every wait is polled
+    against both and bounded by ``timeout_s``, so a dead peer turns into an error, never a hang."""
+
+    def __init__(self, futures: Sequence[Future], timeout_s: float, channel: Optional[Channel] = None):
+        self.futures = list(futures)
+        self.timeout_s = timeout_s
+        self._channel = channel
+
+    def check(self, finishing: bool = False) -> None:
+        for index, future in enumerate(self.futures):
+            if not future.done():
+                continue
+            error = future.exception()
+            if error is not None:
+                raise TransportError(f"engine {index} failed while receiving weights: {error!r}") from error
+            if not finishing:
+                raise TransportError(f"engine {index} finished its update before the sender sent the end of the stream")
+        if self._channel is not None:
+            reason = self._channel.peek("fail")
+            if reason is not None:
+                # The engine's own error, if its call fails too, says more than the receiver's report.
+                wait(self.futures, timeout=_ENGINE_ERROR_GRACE_S, return_when=FIRST_EXCEPTION)
+                if any(f.done() and f.exception() is not None for f in self.futures):
+                    self.check(finishing=True)
+                raise TransportError(f"a receiver failed: {reason}")
+
+    def until(self, ready: Callable[[], bool], what: str, finishing: bool = False) -> None:
+        """Return once ``ready()``; raise TransportError if a peer fails or ``timeout_s`` passes."""
+        deadline = time.monotonic() + self.timeout_s
+        pause = POLL_MIN_S
+        while not ready():
+            self.check(finishing)
+            if time.monotonic() > deadline:
+                raise TransportError(f"timed out after {self.timeout_s:g} s waiting for {what}")
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_MAX_S)
+
+    def settle(self) -> None:
+        """After an abort: give the engines' update calls a moment to end, so an engine in this
+        process is no longer writing when the caller sees the error."""
+        wait(self.futures, timeout=min(self.timeout_s, _SETTLE_S))
+
+    def finish(self) -> None:
+        """Wait for every engine's update call to return (the version is committed then)."""
+        self.until(lambda: all(f.done() for f in self.futures), "the engines to commit the update", finishing=True)
+        self.check(finishing=True)
+
+
+def report_failure(channel: Optional[Channel], rank: int, error: BaseException) -> None:
+    """Best effort: tell the sender why this receiver stopped."""
+    if channel is None:
+        return
+    try:
+        channel.post("fail", f"receiver {rank}: {type(error).__name__}: {error}")
+    except Exception:  # the sender may be gone already; the original error is what matters
+        pass

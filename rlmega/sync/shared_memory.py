@@ -1,0 +1,225 @@
+"""The ``shared_memory`` transport: the sender writes each bucket into a reusable region that the
+engine's process maps too, and sends only metadata (names, dtypes, shapes, offsets) over the
+control channel; the receiver hands views of the region to the engine, which copies them in.
+
+On CPU the region is a file in /dev/shm mapped by both processes. On GPU it is device memory shared
+through CUDA IPC (``torch.multiprocessing.reductions.reduce_tensor``), chosen when the buckets are
+CUDA tensors; it needs the engine in another process on the same GPU node.
+
+The region has two slots, so the sender packs bucket n+1 while the engine copies bucket n; a bucket
+larger than a slot (one large tensor) replaces the region with a larger one once the receivers are
+done with the old. The region's name is unlinked as soon as every receiver has mapped it (and
+again, if need be, on close): after that, nothing is left in /dev/shm even if a process is killed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+import secrets
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from rlmega.sync.buckets import ALIGN_BYTES, NamedTensors, layout, pack, unpack
+from rlmega.sync.control import Address, Channel, Watch, report_failure
+from rlmega.sync.errors import TransportError
+from rlmega.sync.transports import DEFAULT_TIMEOUT_S, start_update
+
+SHM_PREFIX = "rlmega-sync-"
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionHandle:
+    """What a receiver needs to map the sender's region: a /dev/shm path, or a CUDA IPC handle
+    (``reduce_tensor``'s rebuild function and its arguments)."""
+
+    generation: int
+    nbytes: int
+    path: Optional[str] = None
+    cuda_ipc: Optional[tuple] = None
+
+    def open(self) -> torch.Tensor:
+        if self.cuda_ipc is not None:
+            rebuild, args = self.cuda_ipc
+            return rebuild(*args)
+        # Opened without O_CREAT: if the name is gone this fails, instead of mapping a fresh empty file.
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            mapping = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+class _Region:
+    """The sender's side of a region: the tensor it packs into, and its /dev/shm name if any."""
+
+    def __init__(self, generation: int, slot_bytes: int, device: torch.device, directory: str, first_index: int):
+        self.slot_bytes = slot_bytes
+        self.first_index = first_index  # the first bucket sent through it
+        nbytes = 2 * slot_bytes
+        self.path = None
+        if device.type == "cuda":
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self.handle = RegionHandle(generation, nbytes, cuda_ipc=reduce_tensor(self.tensor))
+            return
+        self.path = os.path.join(directory, f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
+        except BaseException:
+            self.unlink()
+            raise
+        finally:
+            os.close(fd)
+        self.tensor = torch.frombuffer(mapping, dtype=torch.uint8)
+        self.handle = RegionHandle(generation, nbytes, path=self.path)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
+
+    def unlink(self) -> None:
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self.path = None
+
+
+class SharedMemoryTransport:
+    """Sender of the ``shared_memory`` transport (see the module docstring).
+
+    ``bucket_bytes`` sizes the two slots (a larger bucket grows them); ``timeout_s`` bounds every
+    wait for a receiver; ``host`` is where the control store listens (receivers are on this host).
+    """
+
+    name = "shared_memory"
+
+    def __init__(self, *, bucket_bytes: int, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 host: str = "127.0.0.1", directory: str = "/dev/shm"):
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.host = host
+        self.directory = directory
+        self._channel: Optional[Channel] = None
+        self._watch: Optional[Watch] = None
+        self._num_receivers = 0
+        self._region: Optional[_Region] = None
+        self._generation = 0
+        self._sent = 0
+        self._acked = -1  # every bucket up to this one has been copied by every receiver
+
+    def listen(self, num_receivers: int) -> list["SharedMemoryReceiver"]:
+        """Start the control channel; returns one receiver per engine, to be iterated in the engine's
+        process (``engine.update_weights(receiver, version)``)."""
+        if num_receivers < 1:
+            raise ValueError(f"need at least one receiver, got {num_receivers}")
+        self._channel, address = Channel.serve(self.host, self.timeout_s)
+        self._num_receivers = num_receivers
+        self._watch = Watch([], self.timeout_s, self._channel)
+        return [SharedMemoryReceiver(address, rank) for rank in range(num_receivers)]
+
+    def open(self, engines: Sequence, version: int) -> None:
+        receivers = self.listen(len(engines))
+        self._watch.futures = [start_update(engine, receiver, version) for engine, receiver in zip(engines, receivers)]
+
+    def send(self, bucket: NamedTensors) -> None:
+        metas, nbytes = layout(bucket)
+        device = bucket[0][1].device if bucket else torch.device("cpu")
+        index = self._sent
+        self._wait_acked(index - 2)  # the slot this bucket goes into is free
+        region = self._region
+        if region is None or nbytes > region.slot_bytes or region.device.type != device.type:
+            self._wait_acked(index - 1)
+            if region is not None:
+                region.unlink()
+            self._generation += 1
+            slot_bytes = -(-max(nbytes, self.bucket_bytes) // ALIGN_BYTES) * ALIGN_BYTES
+            region = self._region = _Region(self._generation, slot_bytes, device, self.directory, index)
+        offset = (index % 2) * region.slot_bytes
+        pack(bucket, metas, region.tensor[offset : offset + nbytes])
+        if region.device.type == "cuda":
+            torch.cuda.current_stream(region.device).synchronize()  # the receiver reads on its own stream
+        self._channel.post(f"bucket/{index}", ("bucket", region.handle, offset, metas))
+        self._sent += 1
+
+    def finish(self) -> None:
+        self._channel.post(f"bucket/{self._sent}", ("end",))
+        done = [f"done/{rank}" for rank in range(self._num_receivers)]
+        self._watch.until(lambda: self._channel.has(done), "the receivers to reach the end of the stream")
+        self._watch.finish()
+
+    def abort(self, reason: str) -> None:
+        if self._channel is not None:
+            try:
+                self._channel.post(f"bucket/{self._sent}", ("abort", reason))
+            except Exception:  # the store may be unusable; receivers then fail on their own
+                pass
+            self._watch.settle()
+
+    def close(self) -> None:
+        if self._region is not None:
+            self._region.unlink()
+            self._region = None
+        self._channel = None
+
+    def _wait_acked(self, index: int) -> None:
+        if index <= self._acked:
+            return
+        acks = [f"ack/{rank}/{index}" for rank in range(self._num_receivers)]
+        self._watch.until(lambda: self._channel.has(acks), f"the receivers to copy bucket {index}")
+        self._channel.forget(*acks, f"bucket/{index}")
+        self._acked = index
+        if self._region is not None and index >= self._region.first_index:
+            self._region.unlink()  # every receiver has it mapped
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedMemoryReceiver:
+    """The receiving side: iterate it in the engine's process to get the update's ``(hf_name, tensor)``.
+
+    Tensors are views of the shared region, valid until the next one is requested (the engine copies
+    each in). The iteration ends cleanly only at the sender's end of stream; it raises
+    ``TransportError`` if the sender aborts or goes away, and reports its own failures to the sender.
+    """
+
+    address: Address
+    rank: int
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        channel = None
+        finished = False
+        try:
+            channel = Channel.connect(self.address)
+            region, generation, index = None, None, 0
+            while True:
+                message = channel.get(f"bucket/{index}")
+                if message[0] == "end":
+                    finished = True
+                    channel.post(f"done/{self.rank}", None)
+                    return
+                if message[0] == "abort":
+                    raise TransportError(f"the sender aborted the update: {message[1]}")
+                _, handle, offset, metas = message
+                if handle.generation != generation:
+                    region = None  # unmap the old region before mapping the new one
+                    region, generation = handle.open(), handle.generation
+                yield from unpack(region[offset:], metas)
+                if region.is_cuda:
+                    torch.cuda.synchronize(region.device)  # copies out of the slot are done before it is reused
+                channel.post(f"ack/{self.rank}/{index}", None)
+                index += 1
+        except GeneratorExit:
+            if not finished:
+                report_failure(channel, self.rank, TransportError("the engine stopped consuming the stream before its end"))
+            raise
+        except BaseException as error:
+            report_failure(channel, self.rank, error)
+            raise

@@ -1,0 +1,223 @@
+"""How a weight update travels from the trainer's sending rank into rollout engines.
+
+A ``Transport`` is the sender's side of one update. Its life: ``open(engines, version)`` starts each
+engine receiving (in the engine's own process), ``send(bucket)`` ships one bucket of
+``(hf_name, tensor)``, ``finish()`` ends the stream and waits until every engine has committed the
+version, ``abort(reason)`` tells the receivers the update failed, and ``close()`` releases
+everything (always called). ``stream_update`` runs that life around an iterable of buckets.
+
+``send`` returns while its bucket is still in transit, so the caller builds bucket n+1 (TP gather,
+packing) while bucket n is moved and copied in; it blocks before a third bucket would be in flight.
+
+The transports (``TRANSPORTS``):
+
+  ``in_process``     the engine object lives in this process: a background thread feeds its
+                     ``update_weights`` the tensors themselves.
+  ``object_store``   the same hand-off to a ``RemoteEngine``, whose ``update_weights`` ships the
+                     buckets through Ray's object store (works across nodes; the slowest).
+  ``shared_memory``  same host: buckets are written into a reusable two-slot region (/dev/shm on
+                     CPU, CUDA IPC on GPU); the engine's process gets only metadata and copies from views.
+  ``broadcast``      a torch.distributed group of its own between the sender and the engine
+                     processes (gloo on CPU, NCCL on GPU): one flat tensor per bucket, to any number of engines.
+
+The receiving side of ``shared_memory`` and ``broadcast`` is a small picklable iterable: it is sent
+into the engine's process and handed to the engine's ``update_weights`` there, which consumes it
+like any other stream and commits the version only when it ends cleanly.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from concurrent.futures import Future
+from typing import Callable, Iterable, Optional, Protocol, Sequence
+
+from rlmega.sync.buckets import NamedTensors
+from rlmega.sync.control import POLL_MAX_S as _POLL_MAX_S, POLL_MIN_S as _POLL_MIN_S, Watch
+from rlmega.sync.errors import TransportError
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class Transport(Protocol):
+    """The sender's side of one weight update; see the module docstring."""
+
+    name: str
+
+    def open(self, engines: Sequence, version: int) -> None: ...
+
+    def send(self, bucket: NamedTensors) -> None: ...
+
+    def finish(self) -> None: ...
+
+    def abort(self, reason: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def stream_update(transport: Transport, engines: Sequence, buckets: Iterable[NamedTensors], version: int) -> None:
+    """Send every bucket of ``buckets`` into ``engines`` as ``version``; returns once they committed it."""
+    transport.open(engines, version)
+    try:
+        for bucket in buckets:
+            transport.send(bucket)
+        transport.finish()
+    except BaseException as error:
+        transport.abort(f"{type(error).__name__}: {error}")
+        raise
+    finally:
+        transport.close()
+
+
+def start_update(engine, named_tensors: Iterable, version: int) -> Future:
+    """Run ``engine.update_weights(named_tensors, version)`` in the engine's process, in the
+    background. An engine in another process offers ``start_update`` (``RemoteEngine``: a Ray call,
+    ``named_tensors`` pickled into the actor); an engine object here runs on a daemon thread."""
+    remote_start = getattr(engine, "start_update", None)
+    if remote_start is not None:
+        return remote_start(named_tensors, version)
+    return in_thread(engine.update_weights, named_tensors, version)
+
+
+def in_thread(function: Callable, *args) -> Future:
+    """``function(*args)`` on a daemon thread (one that never keeps the interpreter alive)."""
+    future: Future = Future()
+
+    def run():
+        try:
+            future.set_result(function(*args))
+        except BaseException as error:  # noqa: BLE001 - delivered to whoever waits on the future
+            # The stored error must not keep the failed call's locals alive: a half-consumed stream
+            # is closed now (so a receiver releases its buffers and group), not when the error dies.
+            traceback.clear_frames(error.__traceback__)
+            future.set_exception(error)
+
+    threading.Thread(target=run, name="rlmega-weight-receiver", daemon=True).start()
+    return future
+
+
+class _HandOff:
+    """One bucket at a time from the sending thread to the engine's thread. The sender puts a bucket
+    only when the engine is ``idle`` (has consumed the previous one), so one bucket is being copied
+    in while the sender builds the next."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._bucket: Optional[NamedTensors] = None
+        self._busy = False  # the engine is consuming a bucket
+        self._end: Optional[str] = None  # "end", or the reason of an abort
+
+    def idle(self) -> bool:
+        """The engine has taken every bucket handed over (if it stops taking them, its update call
+        ends, and the sender's ``Watch`` reports that)."""
+        with self._lock:
+            return self._bucket is None and not self._busy
+
+    def put(self, bucket: NamedTensors) -> None:
+        with self._lock:
+            self._bucket = bucket
+
+    def close(self, end: str) -> None:
+        with self._lock:
+            self._end = end
+
+    def __iter__(self):
+        while True:
+            pause = _POLL_MIN_S
+            while True:
+                with self._lock:
+                    bucket, self._bucket = self._bucket, None
+                    end = self._end
+                    self._busy = bucket is not None
+                if bucket is not None or end is not None:
+                    break
+                time.sleep(pause)
+                pause = min(2 * pause, _POLL_MAX_S)
+            if bucket is None:
+                if end != "end":
+                    raise TransportError(f"the sender aborted the update: {end}")
+                return
+            yield from bucket
+            with self._lock:
+                self._busy = False
+
+
+class HandOffTransport:
+    """``in_process`` and ``object_store``: the engine's own ``update_weights`` on a background
+    thread of this process, fed bucket by bucket. Tensors are handed over as they are (no copy);
+    the engine copies them in."""
+
+    def __init__(self, *, timeout_s: float = DEFAULT_TIMEOUT_S, name: str = "in_process"):
+        self.name = name
+        self.timeout_s = timeout_s
+        self._handoff: Optional[_HandOff] = None
+        self._watch: Optional[Watch] = None
+
+    def open(self, engines: Sequence, version: int) -> None:
+        if len(engines) != 1:
+            raise ValueError(f"the {self.name} transport feeds one engine, got {len(engines)}")
+        self._handoff = _HandOff()
+        self._watch = Watch([in_thread(engines[0].update_weights, self._handoff, version)], self.timeout_s)
+
+    def send(self, bucket: NamedTensors) -> None:
+        self._watch.until(self._handoff.idle, "the engine to take the previous bucket")
+        self._handoff.put(bucket)
+
+    def finish(self) -> None:
+        self._watch.until(self._handoff.idle, "the engine to take the last bucket")
+        self._handoff.close("end")
+        self._watch.finish()
+
+    def abort(self, reason: str) -> None:
+        if self._handoff is not None:
+            self._handoff.close(reason)
+            self._watch.settle()
+
+    def close(self) -> None:
+        self._handoff = None
+
+
+def _shared_memory(**options) -> Transport:
+    from rlmega.sync.shared_memory import SharedMemoryTransport
+
+    return SharedMemoryTransport(**options)
+
+
+def _broadcast(**options) -> Transport:
+    from rlmega.sync.broadcast import BroadcastTransport
+
+    return BroadcastTransport(**options)
+
+
+TRANSPORTS: dict[str, Callable[..., Transport]] = {
+    "in_process": lambda **options: HandOffTransport(name="in_process", **_only(options, "timeout_s")),
+    "object_store": lambda **options: HandOffTransport(name="object_store", **_only(options, "timeout_s")),
+    "shared_memory": _shared_memory,
+    "broadcast": _broadcast,
+}
+
+
+def _only(options: dict, *names: str) -> dict:
+    return {name: options[name] for name in names if name in options}
+
+
+def make_transport(transport: "str | Transport", engines: Sequence, *, bucket_bytes: int,
+                   timeout_s: float = DEFAULT_TIMEOUT_S) -> Transport:
+    """A transport by name (``TRANSPORTS``, or ``"auto"``), or ``transport`` itself if it is one.
+
+    ``auto``: ``in_process`` for an engine object in this process; for engines in other processes,
+    ``shared_memory`` when they all run on this host, else ``object_store`` (``broadcast`` needs an
+    address the engines reach, so it is chosen by passing a configured ``BroadcastTransport``).
+    """
+    if not isinstance(transport, str):
+        return transport
+    if transport == "auto":
+        remote = [engine for engine in engines if hasattr(engine, "start_update")]
+        if not remote:
+            transport = "in_process"
+        else:
+            transport = "shared_memory" if all(engine.is_local() for engine in remote) else "object_store"
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown weight-sync transport {transport!r}; choose one of {sorted(TRANSPORTS)} or 'auto'")
+    return TRANSPORTS[transport](bucket_bytes=bucket_bytes, timeout_s=timeout_s)

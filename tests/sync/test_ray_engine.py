@@ -1,0 +1,63 @@
+"""Transports into an engine in a Ray actor: the receiving side runs inside the actor's process."""
+
+import time
+
+import pytest
+import ray
+
+from rlmega.rollout.ray_actor import RemoteEngine, start_engine_actor
+from rlmega.sync import TransportError, make_transport, require_version, stream_update
+
+from .helpers import BUCKET_BYTES, assert_serves, buckets_of
+
+CALL_TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(address="local", num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1",
+             object_store_memory=100 * 1024**2, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def remote(local_ray, start_dir):
+    actor = start_engine_actor(start_dir, attn_implementation="eager")
+    engine = RemoteEngine(actor, bucket_bytes=BUCKET_BYTES)
+    ray.get(actor.weight_version.remote(), timeout=CALL_TIMEOUT_S)  # loaded
+    yield engine
+    ray.kill(actor)
+
+
+def _state_dict_in(engine: RemoteEngine) -> dict:
+    # A lambda travels by value; a function of this test module would have to be importable in the actor.
+    fetch = engine.actor.__ray_call__.remote(lambda actor: {n: t.clone() for n, t in actor.model.state_dict().items()})
+    return ray.get(fetch, timeout=CALL_TIMEOUT_S)
+
+
+@pytest.mark.timeout(120)
+def test_every_transport_reaches_an_engine_actor_bit_identically(remote, start_dir, target_dir):
+    assert make_transport("auto", [remote], bucket_bytes=BUCKET_BYTES).name == "shared_memory"  # same host
+    plan = [("shared_memory", target_dir), ("broadcast", start_dir), ("object_store", target_dir)]
+    for version, (name, directory) in enumerate(plan, start=1):
+        transport = make_transport(name, [remote], bucket_bytes=BUCKET_BYTES, timeout_s=CALL_TIMEOUT_S)
+        stream_update(transport, [remote], buckets_of(directory), version)
+        require_version(remote, version)
+        assert_serves(_state_dict_in(remote), directory)
+
+
+def _killing_the_actor_after(buckets, num_good, actor):
+    yield from buckets[:num_good]
+    ray.kill(actor, no_restart=True)
+    yield from buckets[num_good:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["shared_memory", "broadcast"])
+def test_an_engine_actor_dying_mid_stream_fails_the_sender_quickly(remote, target_dir, name):
+    transport = make_transport(name, [remote], bucket_bytes=BUCKET_BYTES, timeout_s=CALL_TIMEOUT_S)
+    started = time.monotonic()
+    with pytest.raises(TransportError, match="engine 0 failed while receiving weights|broadcast to the engines failed"):
+        stream_update(transport, [remote], _killing_the_actor_after(buckets_of(target_dir), 2, remote.actor), 1)
+    assert time.monotonic() - started < CALL_TIMEOUT_S / 2  # noticed, not waited out

@@ -1,0 +1,105 @@
+"""Each transport, with the engine in this process (the cross-process transports' receivers then run
+on a thread here, over the same shared memory, store and gloo group as across processes)."""
+
+import pytest
+import torch
+
+from rlmega.rollout import EngineNotReadyError, SamplingParams
+from rlmega.sync import TRANSPORTS, StaleWeightsError, TransportError, make_transport, require_version, stream_update
+from rlmega.sync.buckets import layout, pack, rebucket, unpack
+
+from .helpers import BUCKET_BYTES, RecordingEngine, assert_serves, buckets_of, failing_after, send_all
+
+pytestmark = pytest.mark.timeout(60)
+
+IN_THIS_PROCESS = ["in_process", "shared_memory", "broadcast"]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=3)
+
+
+def _transport(name, engine, timeout_s=20.0):
+    return make_transport(name, [engine], bucket_bytes=BUCKET_BYTES, timeout_s=timeout_s)
+
+
+def test_pack_and_unpack_round_trip_with_aligned_views():
+    bucket = [("a", torch.arange(3, dtype=torch.float16)), ("b", torch.randn(2, 5)), ("c", torch.tensor(7, dtype=torch.int64))]
+    metas, nbytes = layout(bucket)
+    assert [m.offset % 64 for m in metas] == [0, 0, 0]
+    flat = torch.empty(nbytes, dtype=torch.uint8)
+    pack(bucket, metas, flat)
+    for (name, tensor), (got_name, got) in zip(bucket, unpack(flat, metas)):
+        assert got_name == name and got.dtype == tensor.dtype and torch.equal(got, tensor)
+
+
+def test_rebucket_hands_a_bucket_on_as_soon_as_it_is_full():
+    pulled = []
+
+    def stream():
+        for i in range(5):
+            pulled.append(i)
+            yield str(i), torch.zeros(10)  # 40 bytes each
+
+    for bucket in rebucket(stream(), 80):
+        assert len(pulled) == int(bucket[-1][0]) + 1  # nothing of the next bucket was pulled yet
+    assert pulled == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("name", IN_THIS_PROCESS)
+def test_delivers_bit_identical_tensors_and_commits_only_after_the_last_bucket(start_dir, target_dir, name):
+    engine = RecordingEngine(start_dir)
+    buckets = buckets_of(target_dir)
+    assert len(buckets) > 3
+    stream_update(_transport(name, engine), [engine], buckets, version=1)
+    assert engine.weight_version() == 1 and engine.health()["ready"]
+    assert_serves(engine.inner.model.state_dict(), target_dir)
+    assert len(engine.during) == sum(len(b) for b in buckets)
+    assert set(engine.during) == {(0, False)}  # old version and refusing to generate until the end
+
+
+@pytest.mark.parametrize("name", IN_THIS_PROCESS)
+def test_a_sender_failure_mid_stream_leaves_the_engine_refusing_to_generate(start_dir, target_dir, name):
+    engine = RecordingEngine(start_dir)
+    buckets = buckets_of(target_dir)
+    with pytest.raises(RuntimeError, match="export broke"):
+        stream_update(_transport(name, engine), [engine], failing_after(buckets, 3, RuntimeError("export broke")), version=1)
+    assert engine.during  # some tensors were written before the failure
+    assert engine.weight_version() == 0
+    with pytest.raises(EngineNotReadyError, match="failed part way"):
+        engine.generate([[1, 2]], GREEDY)
+    stream_update(_transport(name, engine), [engine], buckets, version=1)  # a complete update recovers
+    assert engine.weight_version() == 1 and engine.health()["ready"]
+    assert_serves(engine.inner.model.state_dict(), target_dir)
+
+
+@pytest.mark.parametrize("name", IN_THIS_PROCESS)
+def test_an_engine_failure_mid_stream_reaches_the_sender_with_its_cause(start_dir, target_dir, name):
+    engine = RecordingEngine(start_dir)
+    buckets = buckets_of(target_dir)
+    buckets[2] = buckets[2] + [("model.layers.0.no_such_weight", torch.zeros(3))]
+    with pytest.raises(TransportError, match="no_such_weight"):
+        stream_update(_transport(name, engine), [engine], buckets, version=1)
+    assert engine.weight_version() == 0 and not engine.health()["ready"]
+
+
+@pytest.mark.parametrize("name", ["shared_memory", "broadcast"])
+def test_a_receiver_that_never_answers_times_out_instead_of_hanging(start_dir, target_dir, name):
+    transport = make_transport(name, [], bucket_bytes=BUCKET_BYTES, timeout_s=1.5)
+    transport.listen(1)  # a receiver is announced but nobody runs it
+    with pytest.raises(TransportError, match="timed out after 1.5 s"):
+        send_all(transport, buckets_of(target_dir))
+
+
+def test_unknown_transport_names_list_the_valid_ones():
+    with pytest.raises(ValueError, match="'broadcast', 'in_process', 'object_store', 'shared_memory'"):
+        make_transport("carrier_pigeon", [], bucket_bytes=1)
+    assert sorted(TRANSPORTS) == ["broadcast", "in_process", "object_store", "shared_memory"]
+
+
+def test_require_version_names_both_versions(start_dir, target_dir):
+    engine = RecordingEngine(start_dir)
+    require_version(engine, 0)
+    with pytest.raises(StaleWeightsError, match="serves weight version 0, expected version 1") as raised:
+        require_version(engine, 1)
+    assert (raised.value.served, raised.value.expected) == (0, 1)
+    stream_update(_transport("in_process", engine), [engine], buckets_of(target_dir), version=1)
+    require_version(engine, 1)
+    assert all(g.weight_version == 1 for g in engine.generate([[1, 2]], GREEDY))
