@@ -1,7 +1,11 @@
-"""Rollout engines: the protocol the trainer talks to, and a transformers-based engine.
+"""Rollout engines: the protocol the trainer talks to, a transformers-based engine, and adapters for
+vLLM and SGLang.
 
-Nothing here imports Megatron or the rest of rlmega's training stack. See README.md.
+Nothing here imports Megatron or the rest of rlmega's training stack. ``VLLMEngine`` and
+``SGLangEngine`` are loaded on first use, so importing this package imports neither engine. See README.md.
 """
+
+import importlib
 
 from rlmega.rollout.hf_engine import HFEngine
 from rlmega.rollout.hf_weights import HFWeightMap, WeightTarget
@@ -21,7 +25,17 @@ __all__ = [
     "HFEngine",
     "HFWeightMap",
     "RolloutEngine",
+    "SGLangEngine",
     "SamplingParams",
     "UnknownWeightError",
+    "VLLMEngine",
     "WeightTarget",
 ]
+
+_LAZY = {"VLLMEngine": "rlmega.rollout.vllm_engine", "SGLangEngine": "rlmega.rollout.sglang_engine"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

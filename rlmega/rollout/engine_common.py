@@ -1,0 +1,267 @@
+"""What the vLLM and SGLang adapters share: request checks, per-sample seeds, the checkpoint's weight
+names, and the version / sleep bookkeeping that makes an engine refuse to generate from mixed weights.
+
+Nothing here imports vLLM or SGLang; the adapters keep every engine call in their own module.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from rlmega.rollout.protocol import EngineNotReadyError, FinishReason, SamplingParams, UnknownWeightError
+from rlmega.rollout.sampling import request_generator
+
+DEFAULT_BUCKET_BYTES = 256 * 1024**2
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """``"0.11.0"`` -> ``(0, 11, 0)``; local and pre-release tails (``0.11.1rc2.dev3+g1a2b``) are dropped."""
+    numbers = []
+    for part in version.split("+")[0].split("."):
+        digits = ""
+        for char in part:
+            if not char.isdigit():
+                break
+            digits += char
+        if not digits:
+            break
+        numbers.append(int(digits))
+        if len(digits) < len(part):
+            break
+    return tuple(numbers)
+
+
+def check_version(package: str, installed: str, minimum: tuple[int, ...], below: tuple[int, ...]) -> None:
+    """Raise ``RuntimeError`` naming both versions unless ``minimum <= installed < below``."""
+    if not minimum <= version_tuple(installed) < below:
+        supported = f">={'.'.join(map(str, minimum))},<{'.'.join(map(str, below))}"
+        raise RuntimeError(
+            f"{package} {installed} is installed, but rlmega's {package} adapter supports {package}{supported} "
+            f"(the `{package}` extra of setup.py); install a supported version or update the adapter's API section")
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the adapters need to know of the checkpoint, read from its config files."""
+
+    vocab_size: int
+    max_positions: int | None
+    eos_token_ids: frozenset[int]  # ids the engine may stop on by itself (config.json and generation_config.json)
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_checkpoint(cls, directory: str | Path) -> ModelFacts:
+        directory = Path(directory)
+        config = json.loads((directory / "config.json").read_text())
+        text = config.get("text_config", config)  # multimodal configs nest the language model's
+        eos: set[int] = set()
+        for source in (text, config, _read_json(directory / "generation_config.json")):
+            value = source.get("eos_token_id")
+            eos.update([value] if isinstance(value, int) else value or [])
+        return cls(vocab_size=text["vocab_size"],
+                   max_positions=text.get("max_position_embeddings", text.get("n_positions")),
+                   eos_token_ids=frozenset(eos),
+                   tie_word_embeddings=bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", True))))
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def check_requests(prompts: list[list[int]], params: SamplingParams | Sequence[SamplingParams],
+                   facts: ModelFacts) -> list[SamplingParams]:
+    """One ``SamplingParams`` per prompt, after the checks ``HFEngine`` makes (same messages)."""
+    if isinstance(params, SamplingParams):
+        per_prompt = [params] * len(prompts)
+    else:
+        per_prompt = list(params)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        for p in per_prompt:
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"params must be SamplingParams, got {type(p).__name__}")
+    for index, (prompt, p) in enumerate(zip(prompts, per_prompt)):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {index} is empty")
+        if min(prompt) < 0 or max(prompt) >= facts.vocab_size:
+            raise ValueError(f"prompt {index} has token ids outside [0, {facts.vocab_size})")
+        if any(token >= facts.vocab_size for token in p.stop_token_ids):
+            raise ValueError(f"SamplingParams.stop_token_ids {p.stop_token_ids} has ids >= the "
+                             f"vocabulary size {facts.vocab_size}")
+        if facts.max_positions is not None and len(prompt) + p.max_new_tokens > facts.max_positions:
+            raise ValueError(f"prompt {index} ({len(prompt)} tokens) + max_new_tokens {p.max_new_tokens} "
+                             f"exceeds the model's max_position_embeddings {facts.max_positions}")
+    return per_prompt
+
+
+def sample_requests(per_prompt: list[SamplingParams]) -> list[tuple[int, int]]:
+    """``(prompt_index, sample_index)`` of every response, prompt-major.
+
+    The adapters send each response as its own engine request with ``n=1``: both engines give the n
+    children of one request seeds that collide across prompts (vLLM: ``seed + index``; SGLang: the same
+    seed), and vLLM refuses ``n > 1`` when greedy. One request per sample keeps the protocol's seeding.
+    """
+    return [(i, j) for i, p in enumerate(per_prompt) for j in range(p.n)]
+
+
+def sample_seed(seed: int | None, prompt_index: int, sample_index: int) -> int | None:
+    """The seed of one response: the same 63-bit mix of ``(seed, prompt, sample)`` that ``HFEngine`` uses."""
+    if seed is None:
+        return None
+    return request_generator(seed, prompt_index, sample_index, torch.device("cpu")).initial_seed()
+
+
+def finish_response(tokens: list[int], logprobs: list[float], stop_token_ids: Iterable[int],
+                    max_new_tokens: int) -> tuple[list[int], list[float], FinishReason]:
+    """Cut a response after its first stop token, and name why it ended.
+
+    Both engines test the length limit before the stop tokens, so a stop token drawn as the last allowed
+    token is reported as "length" by them; the protocol calls it "stop".
+    """
+    if len(tokens) != len(logprobs):
+        raise RuntimeError(f"the engine returned {len(tokens)} tokens but {len(logprobs)} log-probs")
+    stops = set(stop_token_ids)
+    for position, token in enumerate(tokens):
+        if token in stops:
+            return tokens[:position + 1], logprobs[:position + 1], "stop"
+    if len(tokens) != max_new_tokens:
+        raise RuntimeError(f"the engine ended a response after {len(tokens)} of {max_new_tokens} tokens "
+                           f"without a stop token (aborted?)")
+    return tokens, logprobs, "length"
+
+
+# ---------------------------------------------------------------------------------------------- weights
+
+class CheckpointWeights:
+    """The names and shapes of a checkpoint's tensors, read from its safetensors headers (no data).
+
+    These are the names an engine's ``load_weights`` accepts. Checking every incoming tensor against
+    them before it is sent matters: the engines raise bare ``KeyError``/``AssertionError`` deep in their
+    loaders (SGLang in its scheduler process, which then dies).
+    """
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], aliases: dict[str, str], model_type: str = "unknown"):
+        self.shapes = shapes  # on-disk name -> shape
+        self._slot = {name: name for name in shapes} | aliases  # accepted name -> the on-disk name it fills
+        self.model_type = model_type
+
+    @classmethod
+    def from_checkpoint(cls, directory: str | Path, facts: ModelFacts | None = None) -> CheckpointWeights:
+        directory = Path(directory)
+        facts = facts or ModelFacts.from_checkpoint(directory)
+        shapes: dict[str, tuple[int, ...]] = {}
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {directory}: the adapters need a safetensors checkpoint")
+        for file in files:
+            with safe_open(file, framework="pt") as reader:
+                for name in reader.keys():
+                    shapes[name] = tuple(reader.get_slice(name).get_shape())
+        aliases = {}
+        embed = next((n for n in shapes if n.endswith("embed_tokens.weight") or n.endswith("wte.weight")), None)
+        if facts.tie_word_embeddings and "lm_head.weight" not in shapes and embed is not None:
+            aliases["lm_head.weight"] = embed  # the engines load a tied head into the embedding
+        model_type = json.loads((directory / "config.json").read_text()).get("model_type", "unknown")
+        return cls(shapes, aliases, model_type)
+
+    def check(self, name: str, tensor: torch.Tensor) -> str:
+        """The on-disk name that ``name`` fills; raises ``UnknownWeightError`` or ``ValueError`` (bad shape)."""
+        slot = self._slot.get(name)
+        if slot is None:
+            close = difflib.get_close_matches(name, self._slot, n=3)
+            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise UnknownWeightError(f"unknown weight name {name!r}: not a weight of this {self.model_type} "
+                                     f"checkpoint{hint}")
+        if tuple(tensor.shape) != self.shapes[slot]:
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {self.shapes[slot]}")
+        return slot
+
+
+def checked_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], weights: CheckpointWeights,
+                    bucket_bytes: int) -> Iterator[tuple[list[tuple[str, torch.Tensor]], set[str]]]:
+    """``(bucket, on-disk names it fills)``, each bucket about ``bucket_bytes``; every tensor is checked
+    as it arrives, so a bad one raises before the bucket holding it is sent. Tensors are cloned because a
+    streaming producer may reuse its buffers for the next bucket."""
+    bucket, slots, size = [], set(), 0
+    for name, tensor in named_tensors:
+        slots.add(weights.check(name, tensor))
+        bucket.append((name, tensor.detach().clone()))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield bucket, slots
+            bucket, slots, size = [], set(), 0
+    if bucket:
+        yield bucket, slots
+
+
+class WeightBook:
+    """Versions, torn updates and sleep levels of an engine whose weights live elsewhere.
+
+    Same rules as ``HFEngine``: a version commits only when its whole stream arrived; from the first
+    tensor sent until then the weights are mixed and ``generate`` refuses; after ``sleep(level=2)``
+    every on-disk name must be re-sent.
+    """
+
+    def __init__(self, names: Iterable[str]):
+        self.names = frozenset(names)
+        self.version = 0
+        self.sleep_level = 0
+        self.missing: set[str] = set()
+        self.torn_version: int | None = None
+        self.pending: int | None = None
+
+    def begin(self, version: int) -> None:
+        if isinstance(version, bool) or not isinstance(version, int) or version < self.version:
+            raise ValueError(f"version must be an int >= the current weight version {self.version}, got {version!r}")
+        self.pending = version
+
+    def sending(self) -> None:
+        """Called just before tensors leave for the engine: from here on the weights may be mixed."""
+        if self.pending is None:
+            raise RuntimeError("weights sent outside an update; call begin_update(version) first")
+        self.torn_version = self.pending
+
+    def sent(self, slots: Iterable[str]) -> None:
+        self.missing.difference_update(slots)
+
+    def commit(self) -> None:
+        if self.pending is None:
+            raise RuntimeError("commit_update called outside an update; call begin_update(version) first")
+        self.version, self.pending, self.torn_version = self.pending, None, None
+
+    def slept(self, level: int) -> None:
+        if level == 2 and self.sleep_level < 2:
+            self.missing = set(self.names)
+        self.sleep_level = max(self.sleep_level, level)
+
+    def check_ready(self) -> None:
+        if self.sleep_level:
+            resync = " and re-sync every weight with update_weights" if self.sleep_level == 2 else ""
+            raise EngineNotReadyError(f"engine is asleep (level {self.sleep_level}): call wake(){resync} first")
+        if self.missing:
+            examples = ", ".join(sorted(self.missing)[:3])
+            raise EngineNotReadyError(
+                f"{len(self.missing)} weights dropped by sleep(level=2) have not been re-synced "
+                f"(e.g. {examples}); send them with update_weights")
+        if self.torn_version is not None:
+            raise EngineNotReadyError(
+                f"the update to weight version {self.torn_version} failed part way, leaving mixed "
+                f"weights; complete an update_weights before generating")
+
+    def health(self) -> dict:
+        return {
+            "ready": not (self.sleep_level or self.missing or self.torn_version is not None),
+            "weight_version": self.version,
+            "sleep_level": self.sleep_level,
+            "missing_weights": len(self.missing),
+            "torn_update_version": self.torn_version,
+        }

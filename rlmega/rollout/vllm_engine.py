@@ -1,0 +1,295 @@
+"""``RolloutEngine`` over vLLM's offline ``LLM`` (vLLM >=0.11,<0.12, its V1 engine).
+
+Two ways to get new weights in:
+
+- colocated: ``update_weights(named_tensors, version)`` hands the tensors, bucket by bucket, to every
+  vLLM worker through ``LLM.collective_rpc`` and the worker's ``model.load_weights``. With
+  ``in_process=True`` (the default) the engine core runs in this process, so the tensors are passed by
+  reference, never copied through a pipe.
+- disaggregated: ``init_weight_update_group(...)`` joins the workers to a process group with one
+  trainer rank (``rlmega.rollout.weight_group``), then ``begin_update`` / ``receive_weights(metas)`` /
+  ``commit_update`` receive buckets that the trainer rank broadcasts with ``broadcast_weights``.
+
+Every call into vLLM is in the "vLLM 0.11 API" section below; README.md says what was checked where.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+from rlmega.rollout.engine_common import (
+    DEFAULT_BUCKET_BYTES,
+    CheckpointWeights,
+    ModelFacts,
+    WeightBook,
+    check_requests,
+    check_version,
+    checked_buckets,
+    finish_response,
+    sample_requests,
+    sample_seed,
+)
+from rlmega.rollout.protocol import Generation, SamplingParams
+from rlmega.rollout.weight_group import DEFAULT_GROUP_NAME, WeightMeta
+
+SUPPORTED_VERSIONS = ((0, 11), (0, 12))  # setup.py's `vllm` extra: vllm>=0.11,<0.12
+WORKER_EXTENSION = "rlmega.rollout.vllm_engine.VLLMWorkerExtension"
+
+
+# ---------------------------------------------------------------------------------------------- vLLM 0.11 API
+# Checked against the vllm 0.11.0 wheel: vllm/entrypoints/llm.py (LLM.__init__, generate, collective_rpc,
+# sleep, wake_up, reset_prefix_cache), vllm/sampling_params.py, vllm/outputs.py (CompletionOutput),
+# vllm/config/model.py (logprobs_mode), vllm/v1/worker/gpu_worker.py (sleep/wake_up, model_runner),
+# vllm/worker/worker_base.py (worker_extension_cls).
+
+def _import_vllm():
+    import vllm
+
+    check_version("vllm", vllm.__version__, *SUPPORTED_VERSIONS)
+    return vllm
+
+
+def _engine_settings() -> dict:
+    """Engine arguments the adapter depends on."""
+    return {
+        # Token ids in, token ids out: no tokenizer, no detokenizer.
+        "skip_tokenizer_init": True,
+        # Log-probs of the logits before temperature, top-k/top-p and any logits processor (the default in
+        # 0.11, pinned here because the trainer compares them with its own).
+        "logprobs_mode": "raw_logprobs",
+        # LLM.sleep / wake_up raise without it.
+        "enable_sleep_mode": True,
+        # Our weight-loading methods, mixed into every worker.
+        "worker_extension_cls": WORKER_EXTENSION,
+    }
+
+
+def _new_llm(vllm, model: str, engine_kwargs: dict):
+    return vllm.LLM(model=model, **engine_kwargs)
+
+
+def _vllm_sampling_params(vllm, params: SamplingParams, seed: int | None):
+    return vllm.SamplingParams(
+        n=1,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k or 0,  # 0 disables (-1 is still accepted in 0.11 but 0 is preferred)
+        seed=seed,
+        max_tokens=params.max_new_tokens,
+        stop_token_ids=list(params.stop_token_ids),
+        # ignore_eos drops only the implicit EOS stop (and the generation_config's eos ids);
+        # stop_token_ids still stop, and the stop token is kept in token_ids.
+        ignore_eos=True,
+        logprobs=0,  # the sampled token's log-prob only
+        detokenize=False,
+    )
+
+
+def _vllm_generate(llm, prompts: list[list[int]], sampling_params: list) -> list[tuple[list[int], list[float]]]:
+    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], sampling_params, use_tqdm=False)
+    responses = []
+    for output in outputs:
+        completion = output.outputs[0]
+        if completion.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM ended request {output.request_id} with finish_reason "
+                               f"{completion.finish_reason!r}")
+        tokens = list(completion.token_ids)
+        # logprobs[t] is {token id: Logprob} holding at least the sampled token.
+        responses.append((tokens, [step[token].logprob for step, token in zip(completion.logprobs, tokens)]))
+    return responses
+
+
+def _load_weights(llm, bucket: list[tuple[str, torch.Tensor]]) -> None:
+    llm.collective_rpc("rlmega_load_weights", args=(bucket,))
+
+
+def _init_group(llm, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                group_name: str, backend: str) -> None:
+    llm.collective_rpc("rlmega_init_weight_group",
+                       args=(master_address, master_port, rank_offset, world_size, group_name, backend))
+
+
+def _receive_weights(llm, metas: list[WeightMeta], group_name: str) -> None:
+    llm.collective_rpc("rlmega_receive_weights", args=(metas, group_name))
+
+
+def _destroy_group(llm, group_name: str) -> None:
+    llm.collective_rpc("rlmega_destroy_weight_group", args=(group_name,))
+
+
+def _drop_prefix_cache(llm) -> None:
+    llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+
+def _sleep(llm, level: int) -> None:
+    llm.sleep(level=level)
+
+
+def _wake_up(llm, tags: list[str]) -> None:
+    llm.wake_up(tags=tags)
+
+
+class VLLMWorkerExtension:
+    """Mixed into each vLLM worker (``worker_extension_cls``); ``self`` is the worker, which owns
+    ``model_runner.model``, ``device`` and ``rank``. Names are prefixed so they cannot shadow the worker's."""
+
+    def rlmega_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self.model_runner.model.load_weights(weights=named_tensors)
+
+    def rlmega_init_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                 group_name: str, backend: str) -> None:
+        from rlmega.rollout.weight_group import init_weight_update_group
+
+        groups = self.__dict__.setdefault("_rlmega_weight_groups", {})
+        groups[group_name] = init_weight_update_group(master_address, master_port, rank_offset + self.rank,
+                                                      world_size, group_name, backend)
+
+    def rlmega_receive_weights(self, metas: list[WeightMeta], group_name: str) -> None:
+        from rlmega.rollout.weight_group import receive_weights
+
+        tensors = receive_weights(self._rlmega_weight_groups[group_name], metas, self.device)
+        self.model_runner.model.load_weights(weights=tensors)
+
+    def rlmega_destroy_weight_group(self, group_name: str) -> None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group(self._rlmega_weight_groups.pop(group_name))
+
+# ---------------------------------------------------------------------------------------------- end of vLLM API
+
+
+class VLLMEngine:
+    """Implements ``RolloutEngine`` on ``vllm.LLM``.
+
+    ``model`` is a local Hugging Face checkpoint directory (safetensors): its headers give the weight
+    names and shapes that ``update_weights`` checks before anything reaches vLLM. ``engine_kwargs`` go
+    to ``vllm.LLM`` (``tensor_parallel_size``, ``gpu_memory_utilization``, ``dtype``, ``seed``, ...);
+    the four settings in ``_engine_settings`` are the adapter's and may not be changed.
+    ``in_process=True`` runs vLLM's engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+    """
+
+    def __init__(self, model: str | os.PathLike, *, in_process: bool = True,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, **engine_kwargs):
+        self._vllm = _import_vllm()
+        settings = _engine_settings()
+        clashes = {key for key, value in settings.items() if key in engine_kwargs and engine_kwargs[key] != value}
+        if clashes:
+            raise ValueError(f"VLLMEngine sets {sorted(clashes)} itself ({ {k: settings[k] for k in sorted(clashes)} })")
+        self.model_path = Path(model)
+        self.facts = ModelFacts.from_checkpoint(self.model_path)
+        self.weights = CheckpointWeights.from_checkpoint(self.model_path, self.facts)
+        self.bucket_bytes = bucket_bytes
+        self._book = WeightBook(self.weights.shapes)
+        self._asleep_tags: set[str] = set()  # of "weights", "kv_cache"
+        if in_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when the LLM is built
+        self.llm = _new_llm(self._vllm, str(self.model_path), {**engine_kwargs, **settings})
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | Sequence[SamplingParams]) -> list[Generation]:
+        """See ``RolloutEngine.generate``. One vLLM request per response (see ``sample_requests``)."""
+        self._book.check_ready()
+        per_prompt = check_requests(prompts, params, self.facts)
+        requests = sample_requests(per_prompt)
+        if not requests:
+            return []
+        sampling = [_vllm_sampling_params(self._vllm, per_prompt[i], sample_seed(per_prompt[i].seed, i, j))
+                    for i, j in requests]
+        responses = _vllm_generate(self.llm, [prompts[i] for i, _ in requests], sampling)
+        generations = []
+        for (i, _), (tokens, logprobs) in zip(requests, responses):
+            p = per_prompt[i]
+            tokens, logprobs, reason = finish_response(tokens, logprobs, p.stop_token_ids, p.max_new_tokens)
+            generations.append(Generation(prompt_index=i, response_token_ids=tokens, logprobs=logprobs,
+                                          finish_reason=reason, weight_version=self._book.version))
+        return generations
+
+    # ------------------------------------------------------------------ weights, colocated
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """See ``RolloutEngine.update_weights``: checked, bucketed, loaded by every worker."""
+        self.begin_update(version)
+        self.write_weights(named_tensors)
+        self.commit_update()
+
+    def begin_update(self, version: int) -> None:
+        self._book.begin(version)
+
+    def write_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for bucket, slots in checked_buckets(named_tensors, self.weights, self.bucket_bytes):
+            self._wake_weights()
+            self._book.sending()
+            _load_weights(self.llm, bucket)
+            self._book.sent(slots)
+
+    def commit_update(self) -> None:
+        self._book.commit()
+        if "kv_cache" not in self._asleep_tags:
+            _drop_prefix_cache(self.llm)
+
+    # ------------------------------------------------------------------ weights, disaggregated
+
+    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                 group_name: str = DEFAULT_GROUP_NAME, backend: str = "nccl") -> None:
+        """Join every worker to the trainer's weight group (worker ``w`` as rank ``rank_offset + w``).
+        Collective: the trainer rank calls ``weight_group.init_weight_update_group(..., rank=0)`` meanwhile."""
+        _init_group(self.llm, master_address, master_port, rank_offset, world_size, group_name, backend)
+        self._group_name = group_name
+
+    def destroy_weight_update_group(self) -> None:
+        _destroy_group(self.llm, self._group_name)
+
+    def receive_weights(self, metas: Sequence[WeightMeta]) -> None:
+        """Receive one bucket that the trainer rank broadcasts (``weight_group.broadcast_weights``), between
+        ``begin_update`` and ``commit_update``. ``metas`` are ``weight_group.weight_meta(bucket)``."""
+        metas = [(name, dtype, tuple(shape)) for name, dtype, shape in metas]
+        slots = {self.weights.check(name, torch.empty(shape, device="meta")) for name, _, shape in metas}
+        self._wake_weights()
+        self._book.sending()
+        _receive_weights(self.llm, metas, self._group_name)
+        self._book.sent(slots)
+
+    def weight_version(self) -> int:
+        return self._book.version
+
+    # ------------------------------------------------------------------ memory
+
+    def sleep(self, level: int = 1) -> None:
+        """``LLM.sleep(level)``: level 1 offloads the weights to host memory and drops the KV cache; level 2
+        drops both, and every weight must be re-sent. Deeper while asleep only deepens the bookkeeping
+        (vLLM cannot re-sleep), so level 1 then 2 keeps the host copy yet still requires a full re-sync."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if not self._asleep_tags and self._book.sleep_level == 0:
+            _sleep(self.llm, level)
+            self._asleep_tags = {"weights", "kv_cache"}
+        self._book.slept(level)
+
+    def wake(self) -> None:
+        """``LLM.wake_up`` for whatever is still asleep (weights first: vLLM restores buffers into them)."""
+        if self._asleep_tags:
+            _wake_up(self.llm, sorted(self._asleep_tags, key=["weights", "kv_cache"].index))
+            self._asleep_tags.clear()
+            _drop_prefix_cache(self.llm)
+        self._book.sleep_level = 0
+
+    def _wake_weights(self) -> None:
+        """Weights cannot be written while their memory is unmapped; the KV cache may stay asleep."""
+        if "weights" in self._asleep_tags:
+            _wake_up(self.llm, ["weights"])
+            self._asleep_tags.discard("weights")
+
+    def health(self) -> dict:
+        return {
+            **self._book.health(),
+            "asleep": sorted(self._asleep_tags),
+            "engine": "vllm",
+            "engine_version": self._vllm.__version__,
+            "model_type": self.weights.model_type,
+        }

@@ -1,0 +1,190 @@
+"""A stand-in for the ``vllm`` package (0.11.0), installed as ``sys.modules["vllm"]`` by the tests.
+
+Names and signatures are vLLM 0.11.0's, from its wheel: ``LLM`` from vllm/entrypoints/llm.py,
+``SamplingParams`` from vllm/sampling_params.py, ``CompletionOutput`` / ``RequestOutput`` from
+vllm/outputs.py, ``Logprob`` from vllm/logprobs.py. Behaviour the adapter relies on is reproduced:
+``n > 1`` with greedy is refused, children of an ``n > 1`` request get ``seed + index``, the
+generation_config's EOS stops unless ``ignore_eos``, the length limit is tested before stop tokens,
+``logprobs_mode`` picks raw or processed log-probs, ``sleep`` needs ``enable_sleep_mode``, and weights
+slept through cannot be written until ``wake_up(tags=["weights"])``. Every call is recorded in ``calls``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from .tiny_backend import TinyCausalLM
+
+__version__ = "0.11.0"
+
+_MAX_TEMP = 1e-2  # vllm/sampling_params.py
+_SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class Logprob:  # vllm/logprobs.py
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+@dataclass
+class CompletionOutput:  # vllm/outputs.py
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: Optional[float]
+    logprobs: Optional[list[dict[int, Logprob]]]
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+@dataclass
+class RequestOutput:  # vllm/outputs.py (the fields the adapter reads)
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: Optional[list[int]]
+    prompt_logprobs: Optional[list]
+    outputs: list[CompletionOutput]
+    finished: bool
+
+
+@dataclass
+class SamplingParams:  # vllm/sampling_params.py: the fields, defaults and checks the adapter meets
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    extra_args: Optional[dict[str, Any]] = None
+
+    def __post_init__(self) -> None:
+        if 0 < self.temperature < _MAX_TEMP:
+            self.temperature = _MAX_TEMP
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.temperature < _SAMPLING_EPS:
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+            if self.n > 1:
+                raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
+
+
+class FakeWorker:
+    """The parts of vllm/v1/worker/gpu_worker.py's Worker that a worker extension reaches."""
+
+    def __init__(self, model: TinyCausalLM):
+        self.rank = 0
+        self.local_rank = 0
+        self.device = torch.device("cpu")
+        self.model_runner = type("GPUModelRunner", (), {})()
+        self.model_runner.model = model
+
+
+class LLM:
+    """vllm/entrypoints/llm.py: ``LLM(model, *, ..., **kwargs)`` with the engine arguments as kwargs."""
+
+    def __init__(self, model: str, *, tokenizer: Optional[str] = None, skip_tokenizer_init: bool = False,
+                 tensor_parallel_size: int = 1, dtype: str = "auto", seed: Optional[int] = None,
+                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = False, **kwargs: Any) -> None:
+        self.calls: list[tuple] = [("__init__", model, dict(kwargs, skip_tokenizer_init=skip_tokenizer_init,
+                                                             gpu_memory_utilization=gpu_memory_utilization))]
+        self.engine_args = dict(kwargs, skip_tokenizer_init=skip_tokenizer_init,
+                                tensor_parallel_size=tensor_parallel_size)
+        self.model = TinyCausalLM(model)
+        generation_config = Path(model) / "generation_config.json"
+        eos = json.loads(generation_config.read_text()).get("eos_token_id") if generation_config.exists() else None
+        self._generation_eos = set([eos] if isinstance(eos, int) else eos or [])
+        worker_class = FakeWorker
+        if kwargs.get("worker_extension_cls"):  # vllm/worker/worker_base.py: the extension joins the bases
+            module, _, name = kwargs["worker_extension_cls"].rpartition(".")
+            worker_class = type("Worker", (FakeWorker, getattr(importlib.import_module(module), name)), {})
+        self.worker = worker_class(self.model)
+        self._asleep: dict[str, int] = {}  # tag -> sleep level
+        self._offloaded: list[torch.Tensor] = []
+
+    def generate(self, prompts, sampling_params=None, *, use_tqdm=True, lora_request=None,
+                 priority=None) -> list[RequestOutput]:
+        if self._asleep:
+            raise RuntimeError("generate called while the engine sleeps")
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        self.calls.append(("generate", [p["prompt_token_ids"] for p in prompts], list(sampling_params)))
+        scaled = self.engine_args.get("logprobs_mode", "raw_logprobs") == "processed_logprobs"
+        results = []
+        for request_id, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+            stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self._generation_eos)
+            completions = []
+            for index in range(params.n):  # vllm/v1/engine/parallel_sampling.py: child seeds are seed + index
+                seed = None if params.seed is None else params.seed + index
+                tokens, logprobs, reason = self.model.decode(
+                    prompt["prompt_token_ids"], max_tokens=params.max_tokens, stop_ids=stop_ids,
+                    temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed,
+                    scaled_logprobs=scaled)
+                completions.append(CompletionOutput(
+                    index=index, text="", token_ids=tokens, cumulative_logprob=sum(logprobs),
+                    logprobs=[{t: Logprob(lp, rank=None)} for t, lp in zip(tokens, logprobs)],
+                    finish_reason=reason, stop_reason=tokens[-1] if reason == "stop" else None))
+            results.append(RequestOutput(str(request_id), None, prompt["prompt_token_ids"], None, completions, True))
+        return results
+
+    def collective_rpc(self, method, timeout: Optional[float] = None, args: tuple = (),
+                       kwargs: Optional[dict[str, Any]] = None) -> list:
+        self.calls.append(("collective_rpc", method, args))
+        if self._asleep.get("weights") and method != "rlmega_init_weight_group":
+            raise RuntimeError("CUDA error: an illegal memory access (weights written while asleep)")
+        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+
+    def reset_prefix_cache(self, device=None) -> bool:
+        self.calls.append(("reset_prefix_cache",))
+        return True
+
+    def sleep(self, level: int = 1):
+        if not self.engine_args.get("enable_sleep_mode"):
+            raise ValueError("Sleep mode is not enabled. Please compile with enable_sleep_mode=True")
+        self.calls.append(("sleep", level))
+        self.reset_prefix_cache()
+        params = self.model.parameters()
+        self._offloaded = [p.data.clone() for p in params] if level == 1 else []
+        for p in params:
+            p.data.fill_(float("nan"))  # device memory released: its contents are gone
+        self._asleep = {"weights": level, "kv_cache": level}
+
+    def wake_up(self, tags: Optional[list[str]] = None):
+        self.calls.append(("wake_up", tags))
+        tags = tags or ["weights", "kv_cache"]
+        if "weights" not in tags and "weights" in self._asleep:
+            raise RuntimeError("CUDA error: buffers restored into weights that are still asleep")
+        if "weights" in tags and self._asleep.pop("weights", None) == 1:
+            for p, saved in zip(self.model.parameters(), self._offloaded):
+                p.data.copy_(saved)
+        if "kv_cache" in tags:
+            self._asleep.pop("kv_cache", None)

@@ -1,0 +1,71 @@
+"""What both fakes compute with: a transformers model that decodes one request at a time on CPU.
+
+It reproduces the engine behaviour the adapters depend on, which each fake configures: which tokens
+stop a request, that the length limit is tested before the stop tokens, and which distribution the
+returned log-probs are taken from. Greedy picks the argmax (lowest id on ties), like both engines.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlmega.rollout.hf_weights import HFWeightMap
+
+
+class TinyCausalLM:
+    """A checkpoint's model with the engines' ``load_weights(iterable of (on-disk name, tensor))``."""
+
+    def __init__(self, path: str | Path):
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                          attn_implementation="eager").eval().requires_grad_(False)
+        self.weight_map = HFWeightMap(self.model)
+        self.loaded: list[str] = []  # every name load_weights received, in order
+
+    @torch.no_grad()
+    def load_weights(self, weights) -> None:
+        for name, tensor in weights:
+            if name not in self.weight_map.slots and name != "lm_head.weight":
+                raise KeyError(name)  # what the engines' loaders raise (params_dict[name])
+            target = self.weight_map.resolve(name)
+            param = self.weight_map.tensors[target.tensor_name]
+            assert param.data[target.index].shape == tensor.shape, f"{name}: {tensor.shape}"  # their weight_loader
+            param.data[target.index].copy_(tensor)
+            self.loaded.append(name)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self.weight_map.tensors.values())
+
+    @torch.no_grad()
+    def decode(self, prompt: list[int], *, max_tokens: int, stop_ids: set[int], temperature: float, top_k: int,
+               top_p: float, seed: int | None, scaled_logprobs: bool) -> tuple[list[int], list[float], str]:
+        """Sample one response. ``top_k <= 0`` disables top-k. ``scaled_logprobs``: log-probs of the
+        temperature-scaled distribution instead of the raw logits (SGLang's default when sampling)."""
+        generator = torch.Generator()
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(seed)
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        while True:
+            logits = self.model(torch.tensor([prompt + tokens])).logits[0, -1].float()
+            if temperature == 0 or top_k == 1:
+                token = int(logits.argmax())
+            else:
+                scaled = logits / temperature
+                if 0 < top_k < scaled.numel():
+                    scaled = scaled.masked_fill(scaled < scaled.topk(top_k).values[-1], float("-inf"))
+                probs = torch.softmax(scaled, dim=-1)
+                sorted_probs, order = probs.sort(descending=True)
+                sorted_probs[(sorted_probs.cumsum(0) - sorted_probs) > top_p] = 0.0
+                token = int(order[torch.multinomial(sorted_probs, 1, generator=generator)])
+            source = logits / temperature if scaled_logprobs and temperature > 0 else logits
+            tokens.append(token)
+            logprobs.append(float(torch.log_softmax(source, dim=-1)[token]))
+            if len(tokens) >= max_tokens:  # both engines test the length limit first
+                return tokens, logprobs, "length"
+            if token in stop_ids:
+                return tokens, logprobs, "stop"

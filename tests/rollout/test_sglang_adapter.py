@@ -1,0 +1,125 @@
+"""SGLangEngine against a faithful stand-in for sglang 0.5.3 (tests/rollout/fakes/fake_sglang.py): the
+RolloutEngine contract, and the SGLang calls the adapter makes. tests/gpu/test_sglang_engine.py runs the
+real engine."""
+
+import sys
+
+import pytest
+
+from .fakes import contract, fake_sglang, one_thread
+from .tiny_models import PROMPTS, checkpoint_tensors
+
+UPDATE_CALLS = ("update_weights_from_tensor", "update_weights_from_distributed", "init_weights_update_group")
+
+
+@pytest.fixture
+def sglang(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sglang", fake_sglang)
+    monkeypatch.delenv("RETURN_ORIGINAL_LOGPROB", raising=False)
+    with one_thread():
+        yield fake_sglang
+
+
+@pytest.fixture
+def make_engine(sglang):
+    from rlmega.rollout.sglang_engine import SGLangEngine
+
+    def make(path, **kwargs):
+        kwargs = {"mem_fraction_static": 0.5, "enable_deterministic_inference": True,
+                  "enable_weights_cpu_backup": True, **kwargs}
+        return SGLangEngine(path, **kwargs)
+
+    return make
+
+
+def _calls(engine, *names):
+    return [c for c in engine.engine.calls if c[0] in names]
+
+
+def test_server_arguments_and_sampling_params(make_engine, llama_dir):
+    import os
+
+    engine = make_engine(llama_dir)
+    assert os.environ["RETURN_ORIGINAL_LOGPROB"] == "1"  # raw-logit log-probs from the scheduler processes
+    (_, kwargs), = _calls(engine, "__init__")
+    assert kwargs == {"model_path": str(llama_dir), "mem_fraction_static": 0.5, "enable_deterministic_inference": True,
+                      "enable_weights_cpu_backup": True, "skip_tokenizer_init": True, "enable_memory_saver": True}
+    engine.generate(PROMPTS[:2], [contract.GREEDY, contract.SamplingParams(top_k=5, n=2, seed=3, max_new_tokens=4,
+                                                                           stop_token_ids=[2, 9])])
+    (_, input_ids, params, return_logprob, start), = _calls(engine, "generate")
+    assert input_ids == [PROMPTS[0], PROMPTS[1], PROMPTS[1]] and return_logprob is True and start == -1
+    assert params[0] == {"n": 1, "temperature": 0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 8,
+                         "stop_token_ids": [], "ignore_eos": True, "no_stop_trim": True}  # EOS (2) not a stop here
+    assert {k: params[1][k] for k in ("top_k", "stop_token_ids", "ignore_eos")} == \
+           {"top_k": 5, "stop_token_ids": [2, 9], "ignore_eos": False}  # every EOS id is a stop: SGLang stops
+    assert 0 <= params[1]["sampling_seed"] < 2**31 and params[1]["sampling_seed"] != params[2]["sampling_seed"]
+
+
+def test_greedy_matches_hf(make_engine, llama_dir):
+    contract.check_greedy_matches_hf(make_engine(llama_dir), contract.hf_engine(llama_dir))
+
+
+def test_no_implicit_eos(make_engine, llama_dir, tmp_path):
+    contract.check_no_implicit_eos(make_engine, llama_dir, tmp_path)
+
+
+def test_samples_are_prompt_major_seeded_with_raw_logprobs(make_engine, llama_dir):
+    contract.check_samples(make_engine(llama_dir), llama_dir)
+
+
+def test_streamed_update(make_engine, llama_dir, llama_other_dir):
+    engine = make_engine(llama_dir, bucket_bytes=20_000)
+    contract.check_streamed_update(engine, llama_other_dir)
+    updates = _calls(engine, "update_weights_from_tensor")
+    assert sorted(n for call in updates for n in call[1]) == sorted(checkpoint_tensors(llama_other_dir))
+    assert len(updates) > 3 and {(fmt, flush) for _, _, fmt, flush in updates} == {(None, False)}
+    assert engine.engine.calls.index(("flush_cache",)) > engine.engine.calls.index(updates[-1])
+
+
+def test_bad_updates_send_nothing(make_engine, llama_dir):
+    engine = make_engine(llama_dir)
+    contract.check_bad_updates_send_nothing(engine, lambda: _calls(engine, *UPDATE_CALLS))
+
+
+def test_torn_update_refuses_generate(make_engine, llama_dir, llama_other_dir):
+    contract.check_torn_update(make_engine(llama_dir, bucket_bytes=1), contract.hf_engine(llama_other_dir),
+                               llama_other_dir)
+
+
+def test_sleep_level_1(make_engine, llama_dir):
+    engine = make_engine(llama_dir)
+    contract.check_sleep_level_1(engine)
+    assert _calls(engine, "release_memory_occupation", "resume_memory_occupation") == [
+        ("release_memory_occupation", ["kv_cache", "weights"]), ("resume_memory_occupation", ["weights", "kv_cache"])]
+
+
+def test_sleep_level_1_needs_the_cpu_backup(make_engine, llama_dir):
+    engine = make_engine(llama_dir, enable_weights_cpu_backup=False)
+    with pytest.raises(ValueError, match="enable_weights_cpu_backup=True"):
+        engine.sleep(level=1)
+
+
+@pytest.mark.parametrize("wake_first", [True, False], ids=["wake-then-resync", "resync-then-wake"])
+def test_sleep_level_2_requires_resync(make_engine, llama_dir, wake_first):
+    engine = make_engine(llama_dir, enable_weights_cpu_backup=False)
+    contract.check_sleep_level_2(engine, llama_dir, wake_first=wake_first)
+    resumes = [c[1] for c in _calls(engine, "resume_memory_occupation")]
+    assert resumes == ([["weights", "kv_cache"]] if wake_first else [["weights"], ["kv_cache"]])
+
+
+def test_broadcast_update(make_engine, llama_dir, llama_other_dir):
+    engine = make_engine(llama_dir)
+    contract.check_broadcast_update(engine, llama_other_dir)
+    (init,), received = _calls(engine, "init_weights_update_group"), _calls(engine, "update_weights_from_distributed")
+    group_name = init[5]
+    assert init[3:] == (1, 2, group_name, "gloo") and len(received) == 3
+    assert all(call[4:] == (group_name, False) for call in received)
+
+
+def test_version_gate(sglang, monkeypatch, llama_dir):
+    from rlmega.rollout.sglang_engine import SGLangEngine
+
+    monkeypatch.setattr(sglang, "__version__", "0.5.2")
+    with pytest.raises(RuntimeError, match=r"sglang 0\.5\.2 is installed, but rlmega's sglang adapter supports "
+                                           r"sglang>=0\.5\.3,<0\.6"):
+        SGLangEngine(llama_dir)

@@ -1,0 +1,125 @@
+"""VLLMEngine against a faithful stand-in for vllm 0.11 (tests/rollout/fakes/fake_vllm.py): the
+RolloutEngine contract, and the vLLM calls the adapter makes. tests/gpu/test_vllm_engine.py runs the
+real engine."""
+
+import subprocess
+import sys
+
+import pytest
+
+from .fakes import contract, fake_vllm, one_thread
+from .tiny_models import PROMPTS, checkpoint_tensors
+
+
+@pytest.fixture
+def vllm(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    with one_thread():
+        yield fake_vllm
+
+
+@pytest.fixture
+def make_engine(vllm):
+    from rlmega.rollout.vllm_engine import VLLMEngine
+
+    return lambda path, **kwargs: VLLMEngine(path, gpu_memory_utilization=0.5, **kwargs)
+
+
+def _weight_calls(engine):
+    return [c for c in engine.llm.calls if c[0] == "collective_rpc"]
+
+
+def test_engine_arguments_and_sampling_params(make_engine, llama_dir):
+    import os
+
+    engine = make_engine(llama_dir)
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # in-process engine core: tensors by reference
+    _, model, kwargs = engine.llm.calls[0]
+    assert model == str(llama_dir)
+    assert kwargs == {"gpu_memory_utilization": 0.5, "skip_tokenizer_init": True, "logprobs_mode": "raw_logprobs",
+                      "enable_sleep_mode": True,
+                      "worker_extension_cls": "rlmega.rollout.vllm_engine.VLLMWorkerExtension"}
+    engine.generate(PROMPTS[:2], [contract.GREEDY, contract.SamplingParams(top_k=5, n=2, seed=3, max_new_tokens=4,
+                                                                           stop_token_ids=[9])])
+    (_, prompts, params), = [c for c in engine.llm.calls if c[0] == "generate"]
+    assert prompts == [PROMPTS[0], PROMPTS[1], PROMPTS[1]]  # one request per response, prompt-major
+    assert [(p.n, p.temperature, p.top_k, p.max_tokens, p.stop_token_ids, p.ignore_eos, p.logprobs, p.detokenize)
+            for p in params] == [(1, 0, 0, 8, [], True, 0, False), (1, 1.0, 5, 4, [9], True, 0, False),
+                                 (1, 1.0, 5, 4, [9], True, 0, False)]
+    assert params[0].seed is None and params[1].seed != params[2].seed
+
+
+def test_settings_the_adapter_owns_cannot_be_overridden(make_engine, llama_dir):
+    with pytest.raises(ValueError, match=r"VLLMEngine sets \['logprobs_mode'\] itself"):
+        make_engine(llama_dir, logprobs_mode="processed_logprobs")
+
+
+def test_greedy_matches_hf(make_engine, llama_dir):
+    contract.check_greedy_matches_hf(make_engine(llama_dir), contract.hf_engine(llama_dir))
+
+
+def test_no_implicit_eos(make_engine, llama_dir, tmp_path):
+    contract.check_no_implicit_eos(make_engine, llama_dir, tmp_path)
+
+
+def test_samples_are_prompt_major_seeded_with_raw_logprobs(make_engine, llama_dir):
+    contract.check_samples(make_engine(llama_dir), llama_dir)
+
+
+def test_streamed_update(make_engine, llama_dir, llama_other_dir):
+    engine = make_engine(llama_dir, bucket_bytes=20_000)
+    contract.check_streamed_update(engine, llama_other_dir)
+    sent = [name for call in _weight_calls(engine) for name, _ in call[2][0]]
+    assert sorted(sent) == sorted(checkpoint_tensors(llama_other_dir))
+    assert len(_weight_calls(engine)) > 3  # bucketed by size, not by the producer's chunks
+    assert engine.llm.calls.index(("reset_prefix_cache",)) > engine.llm.calls.index(_weight_calls(engine)[-1])
+
+
+def test_bad_updates_send_nothing(make_engine, llama_dir):
+    engine = make_engine(llama_dir)
+    contract.check_bad_updates_send_nothing(engine, lambda: _weight_calls(engine))
+
+
+def test_torn_update_refuses_generate(make_engine, llama_dir, llama_other_dir):
+    contract.check_torn_update(make_engine(llama_dir, bucket_bytes=1), contract.hf_engine(llama_other_dir),
+                               llama_other_dir)
+
+
+def test_sleep_level_1(make_engine, llama_dir):
+    engine = make_engine(llama_dir)
+    contract.check_sleep_level_1(engine)
+    assert [c for c in engine.llm.calls if c[0] in ("sleep", "wake_up")] == [("sleep", 1),
+                                                                             ("wake_up", ["weights", "kv_cache"])]
+
+
+@pytest.mark.parametrize("wake_first", [True, False], ids=["wake-then-resync", "resync-then-wake"])
+def test_sleep_level_2_requires_resync(make_engine, llama_dir, wake_first):
+    engine = make_engine(llama_dir)
+    contract.check_sleep_level_2(engine, llama_dir, wake_first=wake_first)
+    expected = ([("sleep", 2), ("wake_up", ["weights", "kv_cache"])] if wake_first else
+                [("sleep", 2), ("wake_up", ["weights"]), ("wake_up", ["kv_cache"])])  # weights woken to be written
+    assert [c for c in engine.llm.calls if c[0] in ("sleep", "wake_up")] == expected
+
+
+def test_broadcast_update(make_engine, llama_dir, llama_other_dir):
+    engine = make_engine(llama_dir)
+    contract.check_broadcast_update(engine, llama_other_dir)
+    assert [c[1] for c in _weight_calls(engine)] == (["rlmega_init_weight_group"] + ["rlmega_receive_weights"] * 3
+                                                      + ["rlmega_destroy_weight_group"])
+
+
+def test_version_gate(vllm, monkeypatch, llama_dir):
+    from rlmega.rollout.vllm_engine import VLLMEngine
+
+    monkeypatch.setattr(vllm, "__version__", "0.12.0")
+    with pytest.raises(RuntimeError, match=r"vllm 0\.12\.0 is installed, but rlmega's vllm adapter supports "
+                                           r"vllm>=0\.11,<0\.12"):
+        VLLMEngine(llama_dir)
+
+
+def test_importing_rlmega_rollout_imports_no_engine():
+    code = ("import sys, rlmega.rollout as r; assert 'vllm' not in sys.modules and 'sglang' not in sys.modules; "
+            "assert r.VLLMEngine.__name__ == 'VLLMEngine' and r.SGLangEngine.__name__ == 'SGLangEngine'; "
+            "assert 'vllm' not in sys.modules and 'sglang' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
