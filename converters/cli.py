@@ -68,8 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to_hf.add_argument("--hf-base", required=True, help="HF directory of the model the checkpoint was trained from: "
                        "its config.json gives the architecture; its tokenizer and generation config are copied")
     to_hf.add_argument("--bucket-size", type=_size, default="1GiB",
-                       help="bytes read, converted and written at a time; peak memory is about this plus the largest tensor "
-                       "(default: 1GiB)")
+                       help="bytes read, converted and written at a time (the next bucket is read while one is written); "
+                       "peak memory is about twice this plus the largest tensor (default: 1GiB)")
     to_hf.add_argument("--shard-size", type=_size, default="5GiB", help="largest safetensors file (default: 5GiB)")
     to_hf.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="cast the weights (default: as stored)")
     to_hf.add_argument("--overwrite", action="store_true", help="replace the output directory if it exists")

@@ -3,8 +3,8 @@
 Every model tensor of the checkpoint is named canonically (``megatron_checkpoint``), mapped by the
 bridge's rules (``rlmega.bridge.mapping``, the same ones the live export uses) and checked, before
 anything is written, against the tensors the ``--hf-base`` config implies. Then tensors are read,
-converted and written one bucket at a time: peak memory is about one bucket plus the largest
-parameter, whatever the model's size.
+converted and written one bucket at a time, the next bucket read while the current one is written:
+peak memory is about two buckets plus the largest parameter, whatever the model's size.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import dataclasses
 import re
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -141,6 +142,25 @@ def _buckets(units: list[Unit], bucket_bytes: int) -> Iterator[list[Unit]]:
         yield bucket
 
 
+def _read_ahead(checkpoint: MegatronCheckpoint, units: list[Unit], bucket_bytes: int):
+    """(bucket, iterator over its tensors), reading bucket n+1 on a thread while bucket n is
+    converted and written: file reads and writes release the GIL, so they overlap. Two buckets
+    are in memory at a time."""
+    buckets = list(_buckets(units, bucket_bytes))
+
+    def read(bucket):
+        return checkpoint.read([region for unit in bucket for region in unit.param.parts])
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mcore-to-hf-read") as pool:
+        pending = pool.submit(read, buckets[0])
+        for index, bucket in enumerate(buckets):
+            tensors = pending.result()
+            if index + 1 < len(buckets):
+                pending = pool.submit(read, buckets[index + 1])
+            yield bucket, iter(tensors)
+            del tensors
+
+
 def _progress(total: int, description: str, quiet: bool):
     from tqdm import tqdm
 
@@ -155,6 +175,9 @@ class Result:
     num_shards: int
     bytes_written: int
     seconds: float
+    """End to end, checks included."""
+    stream_seconds: float
+    """Reading, converting and writing the tensors (fsynced)."""
 
 
 def convert(checkpoint_path: str | Path, output: str | Path, hf_base: str | Path, *,
@@ -178,12 +201,11 @@ def convert(checkpoint_path: str | Path, output: str | Path, hf_base: str | Path
     geometry = geometry_of(spec)
 
     with atomic_directory(output, overwrite) as partial:
+        stream_started = time.perf_counter()
         writer = ShardedSafetensorsWriter(partial, entries, shard_bytes)
         try:
             with _progress(writer.total_bytes, "mcore-to-hf", quiet) as progress:
-                for bucket in _buckets(units, bucket_bytes):
-                    regions = [region for unit in bucket for region in unit.param.parts]
-                    tensors = iter(checkpoint.read(regions))
+                for bucket, tensors in _read_ahead(checkpoint, units, bucket_bytes):
                     for unit in bucket:
                         parts = [next(tensors) for _ in unit.param.parts]
                         gathered = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -196,5 +218,7 @@ def convert(checkpoint_path: str | Path, output: str | Path, hf_base: str | Path
             writer.close()
         finally:
             writer.abort()
+        stream_seconds = time.perf_counter() - stream_started
         write_model_files(hf_base, partial, config, entries[0].dtype)
-    return Result(output, len(entries), len(writer.shards), writer.total_bytes, time.perf_counter() - started)
+    return Result(output, len(entries), len(writer.shards), writer.total_bytes, time.perf_counter() - started,
+                  stream_seconds)
