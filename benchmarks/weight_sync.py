@@ -1,15 +1,20 @@
-"""Weight sync from TP=2 Megatron ranks into a transformers engine in its own Ray actor process.
+"""Weight sync from TP=2 Megatron ranks into a transformers engine, through each transport.
 
     python benchmarks/weight_sync.py            # ~0.5B parameters (Qwen2-0.5B shape), fp32
     python benchmarks/weight_sync.py --small    # a quick 60M-parameter run
 
-In one run, on the same machine and processes:
-  transport   bytes / second of sending a bucket-sized tensor to the actor and writing it there
-              (the raw bandwidth of this transport, Ray's object store)
-  sync        rlmega.sync.push_weights: bridge export from the TP=2 ranks, buckets to the actor,
-              copied into the engine's weights, version committed
-and prints the bytes moved, both rates, and sync time against bytes / transport rate (target: within
-1.5x). A post-sync check confirms the engine serves the synced weights.
+In one run, on the same machine and processes, for each transport of ``rlmega.sync``:
+  export      the bridge's bucketed export to the engine's rank alone, nothing sent on
+  transport   the transport alone: the same buckets, exported beforehand and held in memory, streamed
+              into the engine and copied into its weights (bytes / this time = the transport's raw
+              bandwidth, protocol and copy-in included); export and transport: best of two
+  sync        rlmega.sync.push_weights with that transport: export, buckets shipped while the next is
+              gathered, copied in, version committed
+It prints bytes, each rate, sync / (bytes / raw bandwidth) (target: within 1.5x), and sync against the
+best an overlapped pipeline can do, max(export, transport). A post-sync check after each sync confirms
+the engine serves the synced weights at the synced version. The engine is an HFEngine in a Ray actor
+for ``object_store``, ``shared_memory`` and ``broadcast``, and in the sending rank's process for
+``in_process``.
 """
 
 from __future__ import annotations
@@ -18,9 +23,9 @@ import argparse
 import tempfile
 import time
 
-import torch
-
 MIB = 1024**2
+REPEATS = 2  # export alone and transport alone: the best of this many (the first pays page faults)
+TRANSPORT_NAMES = ("in_process", "object_store", "shared_memory", "broadcast")
 
 QWEN2_05B = dict(
     vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -30,74 +35,109 @@ SMALL = dict(QWEN2_05B, vocab_size=32000, hidden_size=512, intermediate_size=153
              num_attention_heads=8, num_key_value_heads=2)
 
 
-def _transport_seconds(actor, bucket_bytes: int, repeats: int = 3) -> float:
-    import ray
-
-    payload = [("probe", torch.empty(bucket_bytes // 4, dtype=torch.float32))]
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        ray.get(actor.__ray_call__.remote(lambda self, tensors: sum(t.sum().item() * 0 for _, t in tensors), payload))
-        best = min(best, time.perf_counter() - started)
-    return best
+def _timed(function, *args, **kwargs) -> tuple[float, object]:
+    started = time.perf_counter()
+    result = function(*args, **kwargs)
+    return time.perf_counter() - started, result
 
 
-def _measure(rank: int, world_size: int, hf_dir: str, bucket_bytes: int) -> dict:
+def _best_of(repeats: int, function, *args, **kwargs) -> float:
+    return min(_timed(function, *args, **kwargs)[0] for _ in range(repeats))
+
+
+def _measure(rank: int, world_size: int, hf_dir: str, bucket_bytes: int, names: tuple[str, ...]) -> dict:
+    import torch.distributed as dist
+
     from rlmega.bridge import load_hf_weights
+    from rlmega.bridge.export import export_hf_buckets
     from rlmega.models import build_chunks, model_spec_from_hf
     from rlmega.parallel.layout import ParallelLayout, destroy, initialize
-    from rlmega.sync import post_sync_check, push_weights
+    from rlmega.sync import make_transport, post_sync_check, push_weights, require_version, stream_update
 
     layout = ParallelLayout(tp=world_size, world_size=world_size)
     initialize(layout)
     spec = model_spec_from_hf(hf_dir)
     chunks = build_chunks(spec, layout)
     load_hf_weights(chunks, spec, hf_dir)
-    engine, transport_s = None, None
+    engines = {}
     if rank == 0:
         import ray
 
+        from rlmega.rollout import HFEngine
         from rlmega.rollout.ray_actor import RemoteEngine, start_engine_actor
 
         ray.init(address="local", num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 object_store_memory=4 * bucket_bytes + 512 * MIB, log_to_driver=False)
-        engine = RemoteEngine(start_engine_actor(hf_dir), bucket_bytes=bucket_bytes)
-        engine.weight_version()  # wait for the actor to load its checkpoint
-        transport_s = _transport_seconds(engine.actor, bucket_bytes)
-    stats = push_weights(chunks, spec, engine, version=1, bucket_bytes=bucket_bytes)
-    worst = post_sync_check(chunks, spec, engine, [[1, 2, 3, 4]], max_new_tokens=4)
+                 object_store_memory=6 * bucket_bytes + 1024 * MIB, log_to_driver=False)
+        remote = RemoteEngine(start_engine_actor(hf_dir), bucket_bytes=bucket_bytes)
+        remote.weight_version()  # wait for the actor to load its checkpoint
+        engines = {name: remote for name in names if name != "in_process"}
+        if "in_process" in names:
+            engines["in_process"] = HFEngine(hf_dir)
+
+    export_s = _best_of(REPEATS, push_weights, chunks, spec, None, 0, bucket_bytes=bucket_bytes)
+    buckets = list(export_hf_buckets(chunks, spec, bucket_bytes=bucket_bytes, destinations=[0]))
+    results = {}
+    for index, name in enumerate(names):
+        # Versions only grow on an engine: this transport's runs use base+1 ... base+REPEATS+1.
+        base = index * (REPEATS + 1)
+        transport_s = None
+        if rank == 0:
+            transport_s = float("inf")
+            for version in range(base + 1, base + REPEATS + 1):
+                transport = make_transport(name, [engines[name]], bucket_bytes=bucket_bytes)
+                transport_s = min(transport_s, _timed(stream_update, transport, [engines[name]], buckets, version)[0])
+                require_version(engines[name], version)
+        version = base + REPEATS + 1
+        dist.barrier()
+        sync_s, stats = _timed(push_weights, chunks, spec, engines.get(name), version, bucket_bytes=bucket_bytes,
+                               transport=name)
+        worst = post_sync_check(chunks, spec, engines.get(name), [[1, 2, 3, 4]], max_new_tokens=2, version=version)
+        results[name] = dict(transport_s=transport_s, sync_s=sync_s, bytes=stats.bytes, tensors=stats.tensors,
+                             buckets=len(buckets), worst=worst)
     if rank == 0:
         import ray
 
         ray.shutdown()
     destroy()
-    return dict(bytes=stats.bytes, seconds=stats.seconds, tensors=stats.tensors, transport_s=transport_s, worst=worst)
+    return dict(export_s=export_s, transports=results)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="a 60M-parameter model instead of ~0.5B")
-    parser.add_argument("--bucket-mib", type=int, default=128, help="sync bucket size in MiB (default: 128)")
+    parser.add_argument("--bucket-mib", type=int, default=None,
+                        help="sync bucket size in MiB (default: 128, with --small 16)")
+    parser.add_argument("--transports", default=",".join(TRANSPORT_NAMES),
+                        help=f"comma-separated, in the order measured (default: {','.join(TRANSPORT_NAMES)})")
     args = parser.parse_args()
+    names = tuple(args.transports.split(","))
+    unknown = sorted(set(names) - set(TRANSPORT_NAMES))
+    if unknown:
+        parser.error(f"unknown transports {unknown}; choose from {list(TRANSPORT_NAMES)}")
 
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from rlmega.testing.multirank import run_on_ranks
 
+    args.bucket_mib = args.bucket_mib or (16 if args.small else 128)
     bucket_bytes = args.bucket_mib * MIB
     with tempfile.TemporaryDirectory() as hf_dir:
         config = Qwen2Config(**(SMALL if args.small else QWEN2_05B))
         AutoModelForCausalLM.from_config(config).float().save_pretrained(hf_dir)
-        result = run_on_ranks(_measure, 2, timeout_s=1800, args=(hf_dir, bucket_bytes))[0]
-    rate = bucket_bytes / result["transport_s"]
-    ideal = result["bytes"] / rate
+        result = run_on_ranks(_measure, 2, timeout_s=3600, args=(hf_dir, bucket_bytes, names))[0]
+    first = next(iter(result["transports"].values()))
+    nbytes, export_s = first["bytes"], result["export_s"]
     print(f"model: Qwen2 shape, hidden {config.hidden_size}, {config.num_hidden_layers} layers; "
-          f"{result['bytes'] / 2**30:.2f} GiB in {result['tensors']} tensors; TP=2 gloo ranks -> Ray actor, "
-          f"bucket {args.bucket_mib} MiB")
-    print(f"transport   {rate / 1e9:6.2f} GB/s  (one {args.bucket_mib} MiB bucket to the actor)")
-    print(f"sync        {result['bytes'] / result['seconds'] / 1e9:6.2f} GB/s  {result['seconds']:.2f} s "
-          f"= {result['seconds'] / ideal:.2f} x bytes/transport ({ideal:.2f} s; target <= 1.5x)")
-    print(f"post-sync check: max log-prob difference {result['worst']:.2e}")
+          f"{nbytes / 2**30:.2f} GiB in {first['tensors']} tensors, {first['buckets']} buckets of <= "
+          f"{args.bucket_mib} MiB (a larger tensor travels alone); TP=2 gloo ranks")
+    print(f"export alone: {export_s:.2f} s ({nbytes / export_s / 1e9:.2f} GB/s)")
+    print(f"{'transport':<14} {'raw GB/s':>9} {'sync GB/s':>9} {'sync s':>7} {'sync/(bytes/raw)':>17} "
+          f"{'sync/max(export,raw)':>21} {'check':>8}")
+    for name, r in result["transports"].items():
+        raw = nbytes / r["transport_s"]
+        floor = max(export_s, r["transport_s"])
+        print(f"{name:<14} {raw / 1e9:9.2f} {nbytes / r['sync_s'] / 1e9:9.2f} {r['sync_s']:7.2f} "
+              f"{r['sync_s'] / r['transport_s']:16.2f}x {r['sync_s'] / floor:20.2f}x {r['worst']:8.1e}")
 
 
 if __name__ == "__main__":

@@ -83,6 +83,7 @@ class BroadcastTransport:
         self._channel, address = Channel.serve(self.host, self.timeout_s)
         self._num_receivers = num_receivers
         self._watch = Watch([], self.timeout_s, self._channel)
+        self._group, self._works, self._sent = None, [None, None], 0
         return [BroadcastReceiver(address, rank, num_receivers + 1, self.backend) for rank in range(1, num_receivers + 1)]
 
     def open(self, engines: Sequence, version: int) -> None:

@@ -112,7 +112,7 @@ class SharedMemoryTransport:
         self._watch: Optional[Watch] = None
         self._num_receivers = 0
         self._region: Optional[_Region] = None
-        self._generation = 0
+        self._generation = 0  # grows over the transport's life, so a receiver never confuses two regions
         self._sent = 0
         self._acked = -1  # every bucket up to this one has been copied by every receiver
 
@@ -124,6 +124,7 @@ class SharedMemoryTransport:
         self._channel, address = Channel.serve(self.host, self.timeout_s)
         self._num_receivers = num_receivers
         self._watch = Watch([], self.timeout_s, self._channel)
+        self._region, self._sent, self._acked = None, 0, -1
         return [SharedMemoryReceiver(address, rank) for rank in range(num_receivers)]
 
     def open(self, engines: Sequence, version: int) -> None:

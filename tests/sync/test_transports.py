@@ -103,3 +103,13 @@ def test_require_version_names_both_versions(start_dir, target_dir):
     stream_update(_transport("in_process", engine), [engine], buckets_of(target_dir), version=1)
     require_version(engine, 1)
     assert all(g.weight_version == 1 for g in engine.generate([[1, 2]], GREEDY))
+
+
+@pytest.mark.parametrize("name", ["shared_memory", "broadcast"])
+def test_one_transport_object_serves_update_after_update(start_dir, target_dir, name):
+    engine = RecordingEngine(start_dir)
+    transport = _transport(name, engine)
+    for version, directory in enumerate([target_dir, start_dir, target_dir], start=1):
+        stream_update(transport, [engine], buckets_of(directory), version)
+        require_version(engine, version)
+        assert_serves(engine.inner.model.state_dict(), directory)
