@@ -47,6 +47,7 @@ from rlmega.algos.policy_loss import (
     ppo_policy_loss,
     truncated_importance_weights,
 )
+from rlmega.algos.value_loss import clipped_value_loss
 from rlmega.algos.registry import get_advantage_estimator, get_kl_estimator, get_loss_agg_mode, get_policy_loss
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "apply_kl_penalty",
     "cispo_policy_loss",
     "clip_higher_policy_loss",
+    "clipped_value_loss",
     "compute_dr_grpo_outcome_advantages",
     "compute_gae_advantages",
     "compute_grpo_outcome_advantages",

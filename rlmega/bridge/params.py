@@ -106,6 +106,8 @@ def local_params(chunks: list) -> Iterator[LocalParam]:
         model = unwrap(chunk)
         tied = getattr(model, "share_embeddings_and_output_weights", False)
         for name, param in model.named_parameters():
+            if getattr(param, "is_value_head", False):
+                continue  # a critic's scalar head: no HF counterpart
             yield LocalParam(
                 canonical=_canonical(model, name),
                 tensor=param,

@@ -2,7 +2,7 @@
 
 Trains the tiny Megatron GPT on a counting task with Megatron-Core's own schedule, DDP and optimizer,
 on gloo ranks spawned here (CPU) in the parallel layout you ask for, and prints the loss live. The
-loss starts near ln(256) ≈ 5.55 (a uniform guess over the vocabulary) and falls as the model learns to count.
+loss starts near ln(1024) ≈ 6.93 (a uniform guess over the vocabulary) and falls as the model learns to count.
 """
 
 from __future__ import annotations

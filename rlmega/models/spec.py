@@ -19,6 +19,9 @@ import torch
 from rlmega.parallel.layout import ParallelLayout
 
 VOCAB_DIVISIBLE_BY = 128
+# Padding the vocabulary to a multiple that every TP size up to 8 divides makes the embedding and
+# output layer the same shape at all those sizes, so a checkpoint saved at one TP loads at another.
+VOCAB_PAD_MULTIPLE = 1024
 
 
 def has_transformer_engine() -> bool:
@@ -26,8 +29,12 @@ def has_transformer_engine() -> bool:
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
-    """Megatron splits the vocabulary evenly over TP ranks: round up to a multiple of divisible_by*tp."""
-    multiple = divisible_by * tp
+    """Megatron splits the vocabulary evenly over TP ranks, in slices of a multiple of ``divisible_by``.
+
+    Rounds up to ``VOCAB_PAD_MULTIPLE`` (the same for every tp <= 8) or to ``divisible_by * tp``
+    for larger tp, whichever is the larger multiple.
+    """
+    multiple = math.lcm(divisible_by * tp, VOCAB_PAD_MULTIPLE)
     return math.ceil(vocab_size / multiple) * multiple
 
 

@@ -21,9 +21,10 @@ import torch
 from rlmega.models import ModelSpec, build_chunks, model_spec_from_hf
 from rlmega.parallel.layout import ParallelLayout
 
-# A multiple of 128 * tp for tp <= 2, so Megatron pads no vocabulary columns and LM losses (which
-# would include padding logits) compare exactly across tensor-parallel sizes.
-VOCAB_SIZE = 256
+# A multiple of Megatron's vocabulary padding (rlmega.models.spec.VOCAB_PAD_MULTIPLE), so no
+# padding columns exist and LM losses (which would include padding logits) compare exactly
+# across tensor-parallel sizes.
+VOCAB_SIZE = 1024
 SEQ_LEN = 16
 
 
@@ -100,14 +101,14 @@ def make_batches(num_microbatches: int, micro_batch_size: int, seed: int = 7) ->
 
 
 def make_counting_batches(num_microbatches: int, micro_batch_size: int, seed: int = 7) -> list[dict]:
-    """Arithmetic sequences modulo the vocabulary (random start and stride): a task the tiny model
-    learns in a few dozen steps, so a falling loss shows that training works."""
+    """Arithmetic sequences modulo 256 (random start and stride): a task the tiny model learns in a
+    few dozen steps, so a falling loss shows that training works."""
     generator = torch.Generator().manual_seed(seed)
     batches = []
     for _ in range(num_microbatches):
-        start = torch.randint(0, VOCAB_SIZE, (micro_batch_size, 1), generator=generator)
+        start = torch.randint(0, 256, (micro_batch_size, 1), generator=generator)
         stride = torch.randint(1, 4, (micro_batch_size, 1), generator=generator)
-        tokens = (start + stride * torch.arange(SEQ_LEN + 1)) % VOCAB_SIZE
+        tokens = (start + stride * torch.arange(SEQ_LEN + 1)) % 256
         batches.append({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()})
     return batches
 

@@ -1,0 +1,242 @@
+"""From a batch of variable-length sequences to the micro-batches one rank feeds Megatron.
+
+Three steps, each a pure function of the sequence lengths (so every rank computes the same plan):
+
+1. ``balance_across_ranks``: sequences go to data-parallel ranks by token count (longest first,
+   each to the least-loaded rank), not by count, so no rank idles behind a long one.
+2. ``split_by_token_budget``: a rank's sequences are split into micro-batches of at most
+   ``max_tokens`` tokens each (a longer sequence sits alone); every rank uses the same number of
+   micro-batches (pipeline schedules and expert all-to-alls run in lockstep), empty ones included.
+3. ``build_micro_batch``: the tokens of one micro-batch, either packed into one row (no padding in
+   the forward: the attention is block-diagonal, by THD cu_seqlens with transformer-engine or an
+   explicit mask otherwise) or right-padded into ``[B, S]``.
+
+A sequence is ``prompt + response``; the model is trained and scored only on response tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from typing import Optional
+
+import torch
+
+
+@dataclasses.dataclass
+class SequenceBatch:
+    """Token sequences and per-response-token data (``fields[name][i]`` has one entry per response token)."""
+
+    tokens: list[torch.Tensor]
+    """``[L_i]`` int64 token ids: the prompt followed by the response."""
+    prompt_lengths: list[int]
+    fields: dict[str, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
+    """e.g. ``old_logp``, ``ref_logp``, ``advantages``, ``returns``, ``values``: ``[L_i - prompt_i]`` each."""
+
+    def __post_init__(self):
+        if len(self.tokens) != len(self.prompt_lengths):
+            raise ValueError(f"{len(self.tokens)} sequences but {len(self.prompt_lengths)} prompt lengths")
+        for index, (tokens, prompt) in enumerate(zip(self.tokens, self.prompt_lengths)):
+            if tokens.dim() != 1 or not 1 <= prompt < tokens.numel():
+                raise ValueError(
+                    f"sequence {index}: need 1-D tokens with a prompt of 1..{tokens.numel() - 1} tokens and at least "
+                    f"one response token, got shape {list(tokens.shape)} and prompt length {prompt}"
+                )
+        for name, values in self.fields.items():
+            if len(values) != len(self.tokens):
+                raise ValueError(f"field {name!r} has {len(values)} entries for {len(self.tokens)} sequences")
+            for index, value in enumerate(values):
+                if value.shape != (self.response_lengths[index],):
+                    raise ValueError(
+                        f"field {name!r} of sequence {index} has shape {list(value.shape)}, "
+                        f"expected [{self.response_lengths[index]}] (one value per response token)"
+                    )
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [tokens.numel() for tokens in self.tokens]
+
+    @property
+    def response_lengths(self) -> list[int]:
+        return [tokens.numel() - prompt for tokens, prompt in zip(self.tokens, self.prompt_lengths)]
+
+    def select(self, indices: list[int]) -> "SequenceBatch":
+        return SequenceBatch(
+            [self.tokens[i] for i in indices], [self.prompt_lengths[i] for i in indices],
+            {name: [values[i] for i in indices] for name, values in self.fields.items()},
+        )
+
+    def with_fields(self, **fields: list[torch.Tensor]) -> "SequenceBatch":
+        return SequenceBatch(self.tokens, self.prompt_lengths, {**self.fields, **fields})
+
+
+def balance_across_ranks(lengths: list[int], num_ranks: int) -> list[list[int]]:
+    """Indices of the sequences each rank gets, balancing token counts (longest-first greedy).
+
+    Deterministic; within a rank, indices are in ascending order.
+    """
+    loads = [(0, rank) for rank in range(num_ranks)]
+    assignment: list[list[int]] = [[] for _ in range(num_ranks)]
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        load, rank = heapq.heappop(loads)
+        assignment[rank].append(index)
+        heapq.heappush(loads, (load + lengths[index], rank))
+    return [sorted(indices) for indices in assignment]
+
+
+def count_micro_batches(lengths: list[int], max_tokens: int) -> int:
+    """How many micro-batches of at most ``max_tokens`` tokens first-fit-decreasing needs."""
+    bins: list[int] = []
+    for length in sorted(lengths, reverse=True):
+        for slot, used in enumerate(bins):
+            if used + length <= max_tokens:
+                bins[slot] += length
+                break
+        else:
+            bins.append(length)
+    return len(bins)
+
+
+def split_by_token_budget(indices: list[int], lengths: list[int], num_micro_batches: int) -> list[list[int]]:
+    """Split ``indices`` into exactly ``num_micro_batches`` groups with balanced token counts.
+
+    Groups may be empty when there are fewer sequences than micro-batches. Each group keeps the
+    original order of its indices.
+    """
+    loads = [(0, slot) for slot in range(num_micro_batches)]
+    groups: list[list[int]] = [[] for _ in range(num_micro_batches)]
+    for index in sorted(indices, key=lambda i: (-lengths[i], i)):
+        load, slot = heapq.heappop(loads)
+        groups[slot].append(index)
+        heapq.heappush(loads, (load + lengths[index], slot))
+    return [sorted(group) for group in groups]
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """Model inputs of one micro-batch and where its response tokens sit in the output."""
+
+    indices: list[int]
+    """Which sequences of the (mini-)batch this holds, in order."""
+    tokens: torch.Tensor
+    """``[B, S]`` (``B = 1`` when packed)."""
+    position_ids: torch.Tensor
+    attention_mask: Optional[torch.Tensor]
+    """``[1, 1, S, S]`` bool, True where attention is forbidden (packed rows without transformer-engine); else None."""
+    packed_seq_params: Optional[object]
+    """Megatron ``PackedSeqParams`` (THD) when packed with transformer-engine; else None."""
+    response_positions: torch.Tensor
+    """``[N]`` flat indices into ``B * S`` of the positions whose next-token prediction is a response token."""
+    response_targets: torch.Tensor
+    """``[N]`` the response tokens predicted there."""
+    response_lengths: list[int]
+    """Response tokens per sequence; ``response_positions`` lists them sequence by sequence."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.numel()
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _response_slots(start: int, tokens: torch.Tensor, prompt_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions (offset by ``start``) that predict the response tokens, and those tokens."""
+    positions = torch.arange(prompt_length - 1, tokens.numel() - 1) + start
+    return positions, tokens[prompt_length:]
+
+
+def build_micro_batch(
+    batch: SequenceBatch, indices: list[int], *, packing: bool, pad_to_multiple: int = 1,
+    shape: Optional[tuple[int, int]] = None, use_thd: bool = False, pad_token_id: int = 0,
+) -> MicroBatch:
+    """The inputs of the micro-batch made of ``batch``'s sequences ``indices`` (may be empty).
+
+    ``pad_to_multiple`` rounds the row length up (sequence parallelism needs a multiple of tp).
+    ``shape`` forces ``[B, S]`` (pipeline stages exchange fixed-shape activations), padding with
+    rows of pad tokens that carry no response tokens.
+    """
+    sequences = [batch.tokens[i] for i in indices]
+    prompts = [batch.prompt_lengths[i] for i in indices]
+    if packing:
+        length = _round_up(max(sum(s.numel() for s in sequences), 1), pad_to_multiple)
+        rows, width = 1, length if shape is None else max(length, shape[1])
+    else:
+        length = _round_up(max([s.numel() for s in sequences], default=1), pad_to_multiple)
+        rows, width = max(len(sequences), 1), length
+        if shape is not None:
+            rows, width = max(rows, shape[0]), max(width, shape[1])
+    tokens = torch.full((rows, width), pad_token_id, dtype=torch.long)
+    position_ids = torch.arange(width).repeat(rows, 1)
+    positions, targets, segment_lengths = [], [], []
+    offset = 0
+    for row, (sequence, prompt) in enumerate(zip(sequences, prompts)):
+        start = offset if packing else row * width
+        column = offset if packing else 0
+        tokens.view(-1)[start:start + sequence.numel()] = sequence
+        if packing:
+            position_ids[0, column:column + sequence.numel()] = torch.arange(sequence.numel())
+            segment_lengths.append(sequence.numel())
+            offset += sequence.numel()
+        slot_positions, slot_targets = _response_slots(start, sequence, prompt)
+        positions.append(slot_positions)
+        targets.append(slot_targets)
+    attention_mask = packed_seq_params = None
+    if packing:
+        if width > offset:
+            segment_lengths.append(width - offset)  # the padding tail attends only to itself
+        if use_thd:
+            packed_seq_params = _thd_params(segment_lengths)
+        else:
+            attention_mask = block_causal_mask(segment_lengths)
+    return MicroBatch(
+        indices=list(indices), tokens=tokens, position_ids=position_ids, attention_mask=attention_mask,
+        packed_seq_params=packed_seq_params,
+        response_positions=torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long),
+        response_targets=torch.cat(targets) if targets else torch.zeros(0, dtype=torch.long),
+        response_lengths=[s.numel() - p for s, p in zip(sequences, prompts)],
+    )
+
+
+def block_causal_mask(segment_lengths: list[int]) -> torch.Tensor:
+    """``[1, 1, S, S]`` bool mask (True = masked) letting each token see only earlier tokens of its segment."""
+    segment = torch.repeat_interleave(torch.arange(len(segment_lengths)), torch.tensor(segment_lengths))
+    total = segment.numel()
+    causal = torch.ones(total, total, dtype=torch.bool).tril()
+    allowed = causal & (segment.unsqueeze(0) == segment.unsqueeze(1))
+    return (~allowed).view(1, 1, total, total)
+
+
+def _thd_params(segment_lengths: list[int]):
+    """Megatron's ``PackedSeqParams`` for a packed row (transformer-engine's THD attention)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu_seqlens = torch.zeros(len(segment_lengths) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(torch.tensor(segment_lengths, dtype=torch.int32), dim=0)
+    longest = max(segment_lengths)
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+        max_seqlen_q=longest, max_seqlen_kv=longest,
+    )
+
+
+def padded_field(values: list[torch.Tensor], dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, R_max]`` right-padded values and the ``[B, R_max]`` bool mask of real entries."""
+    width = max((v.numel() for v in values), default=0)
+    padded = torch.zeros(len(values), width, dtype=dtype)
+    mask = torch.zeros(len(values), width, dtype=torch.bool)
+    for row, value in enumerate(values):
+        padded[row, :value.numel()] = value.to(dtype)
+        mask[row, :value.numel()] = True
+    return padded, mask
+
+
+def split_padded(flat: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Per-token values ``[N]`` listed sequence by sequence -> ``[B, R_max]`` right-padded (differentiable)."""
+    width = max(lengths, default=0)
+    rows = [torch.nn.functional.pad(part, (0, width - part.numel())) for part in torch.split(flat, lengths)]
+    return torch.stack(rows) if rows else flat.new_zeros(0, width)

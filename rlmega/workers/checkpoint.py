@@ -1,0 +1,152 @@
+"""Worker checkpoints: Megatron ``dist_checkpointing`` directories that load into any parallel layout.
+
+Layout on disk (Megatron's own convention, so its tools and ``rlmega convert`` read it)::
+
+    root/latest_checkpointed_iteration.txt     the step of the newest complete checkpoint
+    root/iter_0000042/                         model, optimizer, LR schedule, RNG, step, extra state
+    root/iter_0000042/rlmega.json              step and layout (written last, before the rename)
+
+A checkpoint is written to ``iter_XXXXXXX.tmp`` and renamed when every rank has finished, and
+only then does the tracker move to it, so a crash mid-save never leaves a half-written checkpoint
+that looks like the latest. Model and optimizer tensors are sharded by their global position, so
+a checkpoint saved at one layout (TP=2) loads at another (TP=1, PP=2). Per-rank RNG states only
+restore at the same world size; elsewhere they are skipped with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+TRACKER = "latest_checkpointed_iteration.txt"
+METADATA = "rlmega.json"
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """No complete checkpoint at the given path."""
+
+
+def iteration_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"iter_{step:07d}"
+
+
+def latest_checkpoint(path: str | Path) -> Optional[Path]:
+    """The complete checkpoint at ``path``: an ``iter_*`` directory itself, or the one its tracker names."""
+    path = Path(path)
+    if (path / METADATA).is_file():
+        return path
+    tracker = path / TRACKER
+    if not tracker.is_file():
+        return None
+    candidate = iteration_dir(path, int(tracker.read_text().strip()))
+    return candidate if (candidate / METADATA).is_file() else None
+
+
+def _without_ddp(chunk):
+    from megatron.core.distributed import DistributedDataParallel
+
+    return chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
+
+
+def _model_state(chunks: list) -> dict:
+    modules = [_without_ddp(chunk) for chunk in chunks]
+    if len(modules) == 1:
+        return {"model": modules[0].sharded_state_dict()}
+    return {f"model{index}": module.sharded_state_dict() for index, module in enumerate(modules)}
+
+
+def _rng_object(is_loading: bool):
+    from megatron.core.dist_checkpointing import ShardedObject
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state = None if is_loading else {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+    return ShardedObject("rng_state", state, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
+
+
+def _sharded_state(chunks, optimizer, scheduler, *, is_loading: bool, with_rng: bool) -> dict:
+    state = _model_state(chunks)
+    if optimizer is not None:
+        model_state = state["model"] if len(state) == 1 else dict(state)
+        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading)
+        state["scheduler"] = scheduler.state_dict()
+    if with_rng:
+        state["rng_state"] = _rng_object(is_loading)
+    return state
+
+
+def save_checkpoint(root: str | Path, step: int, chunks: list, optimizer=None, scheduler=None, *,
+                    layout_description: str = "", extra: Optional[dict] = None) -> Path:
+    """Save everything needed to continue training as ``root/iter_{step}``; collective. Returns the path."""
+    from megatron.core import dist_checkpointing
+
+    root = Path(root)
+    final, staging = iteration_dir(root, step), iteration_dir(root, step).with_suffix(".tmp")
+    if dist.get_rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)  # left by an earlier crash
+        staging.mkdir()
+    dist.barrier()
+    state = _sharded_state(chunks, optimizer, scheduler, is_loading=False, with_rng=True)
+    state["step"] = step
+    state["extra"] = extra or {}
+    dist_checkpointing.save(state, str(staging))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (staging / METADATA).write_text(json.dumps(
+            {"step": step, "world_size": dist.get_world_size(), "layout": layout_description}, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        tracker_tmp = root / (TRACKER + ".tmp")
+        tracker_tmp.write_text(str(step))
+        os.replace(tracker_tmp, root / TRACKER)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(path: str | Path, chunks: list, optimizer=None, scheduler=None) -> tuple[int, dict]:
+    """Load the checkpoint at ``path`` (an ``iter_*`` directory or its root) into this rank's model,
+    optimizer and schedule, whatever layout it was saved with; collective. Returns ``(step, extra)``."""
+    from megatron.core import dist_checkpointing
+
+    directory = latest_checkpoint(path)
+    if directory is None:
+        raise CheckpointNotFoundError(
+            f"no complete checkpoint at {path}: expected an iter_* directory with {METADATA}, or a directory "
+            f"with {TRACKER} naming one"
+        )
+    metadata = json.loads((directory / METADATA).read_text())
+    same_world = metadata["world_size"] == dist.get_world_size()
+    if not same_world:
+        warnings.warn(
+            f"checkpoint {directory} was saved by {metadata['world_size']} ranks, this job has "
+            f"{dist.get_world_size()}: model and optimizer are resharded, per-rank RNG states are not restored"
+        )
+    sharded = _sharded_state(chunks, optimizer, scheduler, is_loading=True, with_rng=same_world)
+    state = dist_checkpointing.load(sharded, str(directory))
+    model_keys = [key for key in state if key == "model" or (key.startswith("model") and key[5:].isdigit())]
+    for chunk, key in zip(chunks, sorted(model_keys, key=lambda key: int(key[5:] or 0))):
+        _without_ddp(chunk).load_state_dict(state[key])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+    if same_world:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        rng = state["rng_state"]
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+        get_cuda_rng_tracker().set_states(rng["tracker"])
+    return int(state["step"]), dict(state["extra"])

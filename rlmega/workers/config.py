@@ -1,0 +1,127 @@
+"""Typed settings of a Megatron worker. Each field is read in one place; defaults follow verl's where
+they overlap, so recipes carry over."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional
+
+Role = Literal["actor", "ref", "critic"]
+LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    lr: float = 1e-6
+    """Peak learning rate (after warm-up)."""
+    min_lr: float = 0.0
+    """Floor of the decaying schedules."""
+    lr_schedule: str = "constant"
+    """constant | linear | cosine | wsd (warm-up, stable, then decay over ``wsd_decay_steps``)."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to ``lr``."""
+    lr_decay_steps: Optional[int] = None
+    """Steps over which the schedule decays to ``min_lr``; None: ``total_steps`` given to the worker."""
+    wsd_decay_steps: int = 0
+    """WSD only: the final steps of the decay phase."""
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Global gradient-norm clipping threshold (0 disables)."""
+    distributed_optimizer: Optional[bool] = None
+    """Shard optimizer state over data-parallel ranks; None: on with NCCL, off with gloo (which has no
+    reduce-scatter)."""
+
+    def __post_init__(self):
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"optimizer.lr_schedule={self.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"optimizer needs 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
+
+
+@dataclasses.dataclass
+class BatchingConfig:
+    max_tokens_per_microbatch: int = 8192
+    """Token budget of one micro-batch (dynamic batch size); a longer sequence gets a micro-batch alone."""
+    min_microbatches: int = 1
+    """Use at least this many micro-batches per mini-batch (e.g. to fill a pipeline)."""
+    packing: bool = True
+    """Concatenate a micro-batch's sequences into one row (no padding in the forward); else right-pad."""
+    logprob_chunk_tokens: int = 1024
+    """Tokens per chunk when turning vocabulary-parallel logits into log-probs (bounds fp32 memory)."""
+
+    def __post_init__(self):
+        if self.max_tokens_per_microbatch < 1 or self.min_microbatches < 1:
+            raise ValueError("batching.max_tokens_per_microbatch and batching.min_microbatches must be >= 1")
+
+
+@dataclasses.dataclass
+class PolicyLossConfig:
+    name: str = "ppo"
+    """A key of ``rlmega.algos.POLICY_LOSSES`` (ppo, clip_higher, dual_clip, gspo, cispo)."""
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: Optional[float] = None
+    """None: same as ``clip_ratio_low``; DAPO's clip-higher uses 0.28."""
+    clip_ratio_c: Optional[float] = None
+    """Dual-clip bound for negative advantages (> 1), or None."""
+    loss_agg_mode: str = "token-mean"
+    norm_horizon: Optional[float] = None
+    """Constant H of ``seq-mean-token-sum-norm`` (e.g. the max response length)."""
+    entropy_coeff: float = 0.0
+    kl_loss_coef: float = 0.0
+    """Coefficient of the KL-to-reference loss (GRPO); 0 disables it and the reference is not needed."""
+    kl_estimator: str = "low_var_kl"
+
+    def loss_kwargs(self) -> dict:
+        """Keyword arguments of the chosen policy loss that this config sets."""
+        kwargs = {"loss_agg_mode": self.loss_agg_mode, "norm_horizon": self.norm_horizon}
+        if self.name in ("ppo", "vanilla", "clip_higher", "dual_clip"):
+            kwargs.update(clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high)
+            if self.clip_ratio_c is not None:
+                kwargs["clip_ratio_c"] = self.clip_ratio_c
+        elif self.name in ("gspo", "cispo") and self.clip_ratio_high is not None:
+            kwargs.update(clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high)
+        return kwargs
+
+
+@dataclasses.dataclass
+class CriticLossConfig:
+    cliprange_value: Optional[float] = 0.5
+    """Clip the new value to ``old_value +- cliprange_value`` (PPO value clipping); None disables."""
+    loss_agg_mode: str = "token-mean"
+
+
+@dataclasses.dataclass
+class WorkerConfig:
+    role: Role = "actor"
+    """actor: log-probs and policy updates; ref: log-probs only; critic: values and value updates."""
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    batching: BatchingConfig = dataclasses.field(default_factory=BatchingConfig)
+    policy_loss: PolicyLossConfig = dataclasses.field(default_factory=PolicyLossConfig)
+    critic_loss: CriticLossConfig = dataclasses.field(default_factory=CriticLossConfig)
+    ppo_epochs: int = 1
+    """Passes over each batch in ``update``."""
+    ppo_mini_batches: int = 1
+    """Optimizer steps per epoch: the batch is split into this many mini-batches."""
+    dtype: Optional[str] = None
+    """bf16 | fp32; None: bf16 with CUDA, fp32 on CPU."""
+    sequence_parallel: Optional[bool] = None
+    """None: on when tp > 1 (required for MoE with tp > 1)."""
+    offload: bool = False
+    """Keep parameters (and gradients, optimizer state) in host memory between calls; for a reference
+    model, or when training shares devices with rollout engines."""
+    seed: int = 1234
+
+    def __post_init__(self):
+        if self.role not in ("actor", "ref", "critic"):
+            raise ValueError(f"worker role {self.role!r} must be one of actor, ref, critic")
+        if self.ppo_epochs < 1 or self.ppo_mini_batches < 1:
+            raise ValueError("ppo_epochs and ppo_mini_batches must be >= 1")
+        if self.dtype not in (None, "bf16", "fp32"):
+            raise ValueError(f"worker dtype {self.dtype!r} must be bf16, fp32 or None (automatic)")
+
+    @property
+    def trains(self) -> bool:
+        return self.role != "ref"

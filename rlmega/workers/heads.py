@@ -1,0 +1,144 @@
+"""What the last pipeline stage computes from a micro-batch's output: log-probs, values, and the
+actor's and critic's losses built from ``rlmega.algos``.
+
+Loss scaling: every loss term divides by the *global* denominators of the mini-batch (all its
+tokens on all data-parallel ranks), so the sum over micro-batches and ranks is the mini-batch
+loss. Megatron then divides each micro-batch loss by the number of micro-batches and averages
+gradients over data-parallel ranks; ``backward_scale`` undoes both, so gradients are exactly
+those of the whole mini-batch, whatever the split.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlmega.algos import (
+    LossDenominators, clipped_value_loss, entropy_bonus, get_policy_loss, kl_loss,
+)
+from rlmega.algos._utils import masked_mean
+from rlmega.workers.batching import MicroBatch, SequenceBatch, padded_field, split_padded
+from rlmega.workers.config import CriticLossConfig, PolicyLossConfig
+from rlmega.workers.logprobs import vocab_parallel_logprobs
+from rlmega.workers.passes import Head, HeadResult
+
+
+def _response_rows(micro_batch: MicroBatch, output: torch.Tensor) -> torch.Tensor:
+    """``[N, V_local]`` (or ``[N, 1]``): the output rows at the response-predicting positions."""
+    flat = output.reshape(-1, output.shape[-1])
+    return flat.index_select(0, micro_batch.response_positions.to(flat.device))
+
+
+def _logprobs(micro_batch: MicroBatch, output: torch.Tensor, vocab_size: int, chunk_tokens: int):
+    from megatron.core import parallel_state as ps
+
+    rows = _response_rows(micro_batch, output)
+    return vocab_parallel_logprobs(
+        rows, micro_batch.response_targets.to(rows.device), vocab_size=vocab_size,
+        vocab_start=ps.get_tensor_model_parallel_rank() * rows.shape[-1],
+        group=ps.get_tensor_model_parallel_group(), chunk_tokens=chunk_tokens, with_entropy=True,
+    )
+
+
+def _attached(output: torch.Tensor) -> torch.Tensor:
+    """A zero that depends on ``output``: an empty micro-batch must still backpropagate through the pipeline."""
+    return output.sum() * 0.0
+
+
+def logprob_head(vocab_size: int, chunk_tokens: int) -> Head:
+    """Per-token log-probs and entropies of the response tokens (forward only)."""
+
+    def head(micro_batch: MicroBatch, output: torch.Tensor) -> HeadResult:
+        logp, entropy = _logprobs(micro_batch, output, vocab_size, chunk_tokens)
+        return HeadResult(loss=_attached(output), outputs={"logprobs": logp, "entropy": entropy})
+
+    return head
+
+
+def value_head() -> Head:
+    """Per-token values of the response positions (critic, forward only)."""
+
+    def head(micro_batch: MicroBatch, output: torch.Tensor) -> HeadResult:
+        return HeadResult(loss=_attached(output), outputs={"values": _response_rows(micro_batch, output)[:, 0].float()})
+
+    return head
+
+
+def global_denominators(batch: SequenceBatch) -> LossDenominators:
+    """Valid tokens and sequences of the whole mini-batch (every rank holds all of it)."""
+    masks = batch.fields.get("response_mask") or [torch.ones(n) for n in batch.response_lengths]
+    num_tokens = sum(int(mask.bool().sum()) for mask in masks)
+    num_seqs = sum(int(mask.bool().any()) for mask in masks)
+    return LossDenominators(torch.tensor(num_tokens), torch.tensor(num_seqs))
+
+
+def _field(batch: SequenceBatch, name: str, micro_batch: MicroBatch, device) -> torch.Tensor:
+    values, _ = padded_field([batch.fields[name][i] for i in micro_batch.indices])
+    return values.to(device)
+
+
+def _mask(batch: SequenceBatch, micro_batch: MicroBatch, device) -> torch.Tensor:
+    lengths = [batch.response_lengths[i] for i in micro_batch.indices]
+    _, mask = padded_field([torch.ones(n) for n in lengths])
+    if "response_mask" in batch.fields:
+        mask &= _field(batch, "response_mask", micro_batch, "cpu").bool()
+    return mask.to(device)
+
+
+def policy_head(
+    batch: SequenceBatch, config: PolicyLossConfig, *, vocab_size: int, chunk_tokens: int, backward_scale: float,
+) -> Head:
+    """The actor's loss on the micro-batches of ``batch`` (needs fields ``old_logp``, ``advantages``;
+    ``ref_logp`` with a KL loss; optional ``response_mask`` and ``rollout_is_weights``)."""
+    loss_fn = get_policy_loss(config.name)
+    denominators = global_denominators(batch)
+    aggregation = dict(loss_agg_mode=config.loss_agg_mode, global_denominators=denominators, norm_horizon=config.norm_horizon)
+
+    def head(micro_batch: MicroBatch, output: torch.Tensor) -> HeadResult:
+        logp_flat, entropy_flat = _logprobs(micro_batch, output, vocab_size, chunk_tokens)
+        device = logp_flat.device
+        logp, entropy = split_padded(logp_flat, micro_batch.response_lengths), split_padded(entropy_flat, micro_batch.response_lengths)
+        mask = _mask(batch, micro_batch, device)
+        extra = {}
+        if "rollout_is_weights" in batch.fields:
+            extra["rollout_is_weights"] = _field(batch, "rollout_is_weights", micro_batch, device)
+        pg_loss, metrics = loss_fn(
+            logp, _field(batch, "old_logp", micro_batch, device), _field(batch, "advantages", micro_batch, device),
+            mask, **config.loss_kwargs(), global_denominators=denominators, **extra,
+        )
+        summed = {"pg_loss": pg_loss.detach()}
+        loss = pg_loss
+        if config.entropy_coeff:
+            entropy_loss, _ = entropy_bonus(entropy, mask, coef=config.entropy_coeff, **aggregation)
+            loss = loss + entropy_loss
+        metrics["entropy"] = masked_mean(entropy.detach(), mask)
+        if config.kl_loss_coef:
+            kl_term, kl_metrics = kl_loss(
+                logp, _field(batch, "ref_logp", micro_batch, device), mask, coef=config.kl_loss_coef,
+                estimator=config.kl_estimator, **aggregation,
+            )
+            loss = loss + kl_term
+            metrics.update(kl_metrics)
+            summed["kl_loss_term"] = kl_term.detach()
+        summed["loss"] = loss.detach()
+        return HeadResult(loss=(loss + _attached(output)) * backward_scale, metrics=metrics, summed=summed)
+
+    return head
+
+
+def critic_head(batch: SequenceBatch, config: CriticLossConfig, *, backward_scale: float) -> Head:
+    """The critic's clipped value loss on ``batch`` (needs fields ``values`` (old) and ``returns``)."""
+    denominators = global_denominators(batch)
+
+    def head(micro_batch: MicroBatch, output: torch.Tensor) -> HeadResult:
+        values = split_padded(_response_rows(micro_batch, output)[:, 0].float(), micro_batch.response_lengths)
+        device = values.device
+        loss, metrics = clipped_value_loss(
+            values, _field(batch, "values", micro_batch, device), _field(batch, "returns", micro_batch, device),
+            _mask(batch, micro_batch, device), cliprange_value=config.cliprange_value,
+            loss_agg_mode=config.loss_agg_mode, global_denominators=denominators,
+        )
+        return HeadResult(
+            loss=(loss + _attached(output)) * backward_scale, metrics=metrics, summed={"vf_loss": loss.detach()},
+        )
+
+    return head

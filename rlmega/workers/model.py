@@ -1,0 +1,123 @@
+"""Building a worker's Megatron model, optimizer and learning-rate schedule for a parallel layout.
+
+The critic is the same backbone with its output layer replaced by a scalar value head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlmega.models.spec import ModelSpec, build_chunks
+from rlmega.parallel.layout import ParallelLayout
+from rlmega.workers.config import OptimizerConfig, WorkerConfig
+
+
+def resolve_dtype(config: WorkerConfig) -> torch.dtype:
+    if config.dtype is None:
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[config.dtype]
+
+
+class ValueHead(torch.nn.Module):
+    """Hidden state -> scalar value, in the output layer's place (same call signature as Megatron's).
+
+    Every tensor-parallel rank holds the whole ``[1, hidden]`` weight. With sequence parallelism its
+    input is this rank's slice of the sequence, so it gathers the sequence back, and its gradient
+    is summed over TP ranks like a layer norm's (``sequence_parallel`` attribute).
+    """
+
+    def __init__(self, hidden_size: int, sequence_parallel: bool, dtype: torch.dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.weight.sequence_parallel = sequence_parallel
+        self.weight.is_value_head = True  # the bridge skips it: HF checkpoints have no value head
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=True)
+        return torch.nn.functional.linear(hidden_states, self.weight), None
+
+
+def build_model(spec: ModelSpec, layout: ParallelLayout, config: WorkerConfig) -> tuple[list, object]:
+    """This rank's model chunks and their ``TransformerConfig``.
+
+    Trained roles are wrapped in Megatron's DDP (gradient buffers, data-parallel reduction); bf16
+    models in ``Float16Module``. Megatron's process groups must exist.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.transformer.module import Float16Module
+
+    dtype = resolve_dtype(config)
+    sequence_parallel = layout.tp > 1 if config.sequence_parallel is None else config.sequence_parallel
+    if config.role == "critic" and spec.tie_word_embeddings:
+        spec = _untied(spec)
+    transformer_config = spec.transformer_config(
+        layout, params_dtype=dtype, sequence_parallel=sequence_parallel, init_method_std=0.02,
+    )
+    models = build_chunks(spec, layout, transformer_config)
+    if config.role == "critic":
+        for model in models:
+            if model.post_process:
+                model.output_layer = ValueHead(transformer_config.hidden_size, sequence_parallel, dtype)
+    if dtype != torch.float32:
+        models = [Float16Module(transformer_config, model) for model in models]
+    if not config.trains:
+        for model in models:
+            model.requires_grad_(False)
+        return models, transformer_config
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer(config.optimizer),
+    )
+    chunks = [DistributedDataParallel(transformer_config, ddp_config, model) for model in models]
+    transformer_config.finalize_model_grads_func = finalize_model_grads
+    transformer_config.no_sync_func = [chunk.no_sync for chunk in chunks] if len(chunks) > 1 else chunks[0].no_sync
+    return chunks, transformer_config
+
+
+def _untied(spec: ModelSpec) -> ModelSpec:
+    import dataclasses
+
+    return dataclasses.replace(spec, tie_word_embeddings=False)
+
+
+def use_distributed_optimizer(config: OptimizerConfig) -> bool:
+    if config.distributed_optimizer is None:
+        return torch.cuda.is_available()  # gloo has no reduce-scatter
+    return config.distributed_optimizer
+
+
+def build_optimizer(chunks: list, config: OptimizerConfig, dtype: torch.dtype, total_steps: int):
+    """Megatron's optimizer (Adam, fp32 master weights for bf16) and its LR / weight-decay schedule."""
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optimizer = get_megatron_optimizer(
+        MegatronOptimizerConfig(
+            optimizer="adam", lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
+            adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
+            clip_grad=config.clip_grad, bf16=dtype == torch.bfloat16, fp16=False, params_dtype=dtype,
+            use_distributed_optimizer=use_distributed_optimizer(config),
+        ),
+        chunks,
+    )
+    decay_steps = config.lr_decay_steps or total_steps
+    if config.lr_schedule != "constant" and decay_steps <= config.lr_warmup_steps:
+        raise ValueError(
+            f"optimizer.lr_schedule={config.lr_schedule!r} decays over {decay_steps} steps, which must exceed "
+            f"lr_warmup_steps={config.lr_warmup_steps}; set optimizer.lr_decay_steps or the total number of steps"
+        )
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=config.lr, min_lr=config.min_lr,
+        lr_warmup_steps=config.lr_warmup_steps, lr_decay_steps=max(decay_steps, config.lr_warmup_steps + 1),
+        lr_decay_style={"wsd": "WSD"}.get(config.lr_schedule, config.lr_schedule),
+        start_wd=config.weight_decay, end_wd=config.weight_decay, wd_incr_steps=1, wd_incr_style="constant",
+        wsd_decay_steps=config.wsd_decay_steps if config.lr_schedule == "wsd" else None,
+        lr_wsd_decay_style="linear" if config.lr_schedule == "wsd" else None,
+    )
+    return optimizer, scheduler

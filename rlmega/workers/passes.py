@@ -1,0 +1,130 @@
+"""Running Megatron's pipeline schedule over a list of micro-batches with a per-micro-batch head.
+
+A *head* turns the last stage's output for one micro-batch into ``(loss, metrics, outputs)``:
+the loss to backpropagate (forward-only passes ignore it), token-weighted scalar metrics and
+per-sequence tensors to hand back (log-probs, entropies, values). The schedule (1F1B, or
+interleaved with virtual stages) runs the layers; this module only feeds it and collects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from rlmega.workers.batching import MicroBatch
+
+# (micro_batch, last-stage output [B, S, V_local or 1]) -> HeadResult
+Head = Callable[[MicroBatch, torch.Tensor], "HeadResult"]
+
+
+@dataclasses.dataclass
+class HeadResult:
+    loss: torch.Tensor
+    """0-dim; what the backward pass differentiates (scaled as the caller needs)."""
+    metrics: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """Scalar means over this micro-batch's response tokens (weighted by their count when combined)."""
+    summed: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """Scalars that add up over micro-batches and ranks (loss terms under global denominators)."""
+    outputs: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """Per-token values ``[N]`` in the micro-batch's response order."""
+
+
+def run_schedule(chunks: list, micro_batches: list[MicroBatch], head: Head, *, forward_only: bool) -> list[Optional[HeadResult]]:
+    """One pass of Megatron's schedule; on the last pipeline stage, each micro-batch's head result
+    (None elsewhere). Gradients accumulate into the DDP buffers when not ``forward_only``."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(iterator, model):
+        micro_batch = next(iterator)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        mask = micro_batch.attention_mask
+        output = model(
+            micro_batch.tokens.to(device), micro_batch.position_ids.to(device),
+            None if mask is None else mask.to(device), packed_seq_params=micro_batch.packed_seq_params,
+        )
+
+        def loss_func(output_tensor):
+            result = head(micro_batch, output_tensor)
+            # Megatron scales the returned loss in place; the result keeps its own reference.
+            return result.loss.clone(), {"result": result}
+
+        return output, loss_func
+
+    shape = micro_batches[0].tokens.shape
+    results = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=[iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches),
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(micro_batches),
+        seq_length=shape[1], micro_batch_size=shape[0],
+        forward_only=forward_only,
+    )
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return [None] * len(micro_batches)
+    return [item["result"] for item in results]
+
+
+def reporting_rank() -> bool:
+    """One rank per data-parallel replica reports results: last pipeline stage, TP rank 0."""
+    from megatron.core import parallel_state as ps
+
+    return ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+
+
+def combine_metrics(results: list[Optional[HeadResult]], micro_batches: list[MicroBatch]) -> dict[str, float]:
+    """The heads' metrics over every micro-batch of every data-parallel rank, the same on all ranks:
+    token-weighted means of ``metrics``, totals of ``summed``. Collective over the default group."""
+    means = _agree_on_names(sorted({n for r in results if r is not None for n in r.metrics}))
+    totals = _agree_on_names(sorted({n for r in results if r is not None for n in r.summed}))
+    sums = torch.zeros(len(means) + len(totals) + 1, dtype=torch.float64)
+    if reporting_rank():
+        for result, micro_batch in zip(results, micro_batches):
+            weight = float(micro_batch.response_targets.numel())
+            sums[-1] += weight
+            for slot, name in enumerate(means):
+                if name in result.metrics and weight:
+                    sums[slot] += weight * float(result.metrics[name])
+            for slot, name in enumerate(totals, start=len(means)):
+                if name in result.summed:
+                    sums[slot] += float(result.summed[name])
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    total_weight = max(float(sums[-1]), 1.0)
+    combined = {name: float(sums[slot]) / total_weight for slot, name in enumerate(means)}
+    combined.update({name: float(sums[slot]) for slot, name in enumerate(totals, start=len(means))})
+    return combined
+
+
+def _agree_on_names(names: list[str]) -> list[str]:
+    """Every rank's metric names (only the last stage knows them), in one sorted list."""
+    if not dist.is_initialized():
+        return names
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, names)
+    return sorted({name for part in gathered for name in part})
+
+
+def scatter_outputs(
+    results: list[Optional[HeadResult]], micro_batches: list[MicroBatch], name: str, response_lengths: list[int],
+) -> list[torch.Tensor]:
+    """Per-sequence ``name`` outputs of the whole batch on every rank.
+
+    Each sequence is computed by exactly one data-parallel replica; its reporting rank writes it
+    into a flat buffer and a sum over all ranks assembles the batch. Collective.
+    """
+    offsets = [0]
+    for length in response_lengths:
+        offsets.append(offsets[-1] + length)
+    flat = torch.zeros(offsets[-1], dtype=torch.float32)
+    if reporting_rank():
+        for result, micro_batch in zip(results, micro_batches):
+            values = torch.split(result.outputs[name].detach().float().cpu(), micro_batch.response_lengths)
+            for index, value in zip(micro_batch.indices, values):
+                flat[offsets[index]:offsets[index + 1]] = value
+    if dist.is_initialized():
+        dist.all_reduce(flat)
+    return [flat[offsets[i]:offsets[i + 1]].clone() for i in range(len(response_lengths))]

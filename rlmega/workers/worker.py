@@ -1,0 +1,248 @@
+"""The Megatron worker: one class for the actor, the reference and the critic, chosen by config.
+
+Every rank of a layout holds one ``MegatronWorker`` and calls the same methods with the same
+whole batch (a ``SequenceBatch``); each rank picks its data-parallel share itself, and results
+come back whole on every rank. All methods are collective over the job's ranks.
+
+    worker = MegatronWorker(spec, layout, WorkerConfig(role="actor"), hf_dir="ckpt/")
+    old_logp, entropy = worker.compute_logprobs(batch)
+    metrics = worker.update(batch.with_fields(old_logp=old_logp, advantages=advantages))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from rlmega.models.spec import ModelSpec, has_transformer_engine
+from rlmega.parallel.layout import ParallelLayout
+from rlmega.workers import checkpoint, heads
+from rlmega.workers.batching import (
+    MicroBatch, SequenceBatch, balance_across_ranks, build_micro_batch, count_micro_batches, split_by_token_budget,
+)
+from rlmega.workers.config import WorkerConfig
+from rlmega.workers.model import build_model, build_optimizer, resolve_dtype
+from rlmega.workers.offload import HostOffload, model_tensors, optimizer_tensors
+from rlmega.workers.passes import combine_metrics, run_schedule, scatter_outputs
+from rlmega.workers.perf import PerfCounter
+
+
+class MegatronWorker:
+    def __init__(self, spec: ModelSpec, layout: ParallelLayout, config: WorkerConfig, *,
+                 hf_dir: Optional[str | Path] = None, total_steps: int = 1):
+        """Build this rank's model (and optimizer, for roles that train) in ``layout``; Megatron's
+        process groups must exist (``rlmega.parallel.layout.initialize``). ``hf_dir`` loads HF
+        weights through the bridge; ``total_steps`` is the default length of decaying LR schedules."""
+        self.spec, self.layout, self.config = spec, layout, config
+        self.chunks, self.transformer_config = build_model(spec, layout, config)
+        if hf_dir is not None:
+            from rlmega.bridge import load_hf_weights
+
+            load_hf_weights(self.chunks, spec, hf_dir)
+        self.optimizer = self.scheduler = None
+        if config.trains:
+            self.optimizer, self.scheduler = build_optimizer(self.chunks, config.optimizer, resolve_dtype(config), total_steps)
+        self.step = 0
+        self.skipped_steps = 0
+        self._perf = PerfCounter(self.chunks, spec)
+        self._host = HostOffload()
+        if config.offload:
+            self.offload()
+
+    # ---- forward passes -------------------------------------------------------------------
+
+    def compute_logprobs(self, batch: SequenceBatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per sequence, the log-probs and entropies ``[R_i]`` of its response tokens (fp32)."""
+        if self.config.role == "critic":
+            raise RuntimeError("compute_logprobs needs an actor or ref worker; this one is a critic")
+        micro_batches = self._micro_batches(batch)
+        head = heads.logprob_head(self.spec.vocab_size, self.config.batching.logprob_chunk_tokens)
+        with self._on_device(), torch.no_grad():
+            results = run_schedule(self.chunks, micro_batches, head, forward_only=True)
+        lengths = batch.response_lengths
+        return (scatter_outputs(results, micro_batches, "logprobs", lengths),
+                scatter_outputs(results, micro_batches, "entropy", lengths))
+
+    def compute_values(self, batch: SequenceBatch) -> list[torch.Tensor]:
+        """Per sequence, the critic's values ``[R_i]`` at the positions that predict response tokens."""
+        if self.config.role != "critic":
+            raise RuntimeError(f"compute_values needs a critic worker; this one is the {self.config.role}")
+        micro_batches = self._micro_batches(batch)
+        with self._on_device(), torch.no_grad():
+            results = run_schedule(self.chunks, micro_batches, heads.value_head(), forward_only=True)
+        return scatter_outputs(results, micro_batches, "values", batch.response_lengths)
+
+    # ---- training -------------------------------------------------------------------------
+
+    def update(self, batch: SequenceBatch) -> dict[str, float]:
+        """``ppo_epochs`` passes over ``batch`` in ``ppo_mini_batches`` optimizer steps each.
+
+        The actor needs fields ``old_logp`` and ``advantages`` (``ref_logp`` with a KL loss); the
+        critic needs ``values`` and ``returns``. Returns metrics averaged over the steps, named
+        ``actor/...`` or ``critic/...``.
+        """
+        if not self.config.trains:
+            raise RuntimeError("the reference worker does not train; use role actor or critic")
+        if len(batch) < self.config.ppo_mini_batches:
+            raise ValueError(f"batch of {len(batch)} sequences cannot make ppo_mini_batches={self.config.ppo_mini_batches}")
+        steps = []
+        with self._on_device():
+            for _ in range(self.config.ppo_epochs):
+                for indices in _contiguous_splits(len(batch), self.config.ppo_mini_batches):
+                    steps.append(self._train_step(batch.select(indices)))
+        prefix = "critic" if self.config.role == "critic" else "actor"
+        names = sorted({name for step in steps for name in step})
+        return {
+            name if "/" in name else f"{prefix}/{name}": sum(step.get(name, 0.0) for step in steps) / len(steps)
+            for name in names
+        }
+
+    def _train_step(self, batch: SequenceBatch) -> dict[str, float]:
+        from megatron.core import parallel_state as ps
+
+        started = time.perf_counter()
+        micro_batches = self._micro_batches(batch)
+        scale = float(len(micro_batches) * ps.get_data_parallel_world_size())
+        if self.config.role == "critic":
+            head = heads.critic_head(batch, self.config.critic_loss, backward_scale=scale)
+        else:
+            head = heads.policy_head(
+                batch, self.config.policy_loss, vocab_size=self.spec.vocab_size,
+                chunk_tokens=self.config.batching.logprob_chunk_tokens, backward_scale=scale,
+            )
+        self._zero_grads()
+        results = run_schedule(self.chunks, micro_batches, head, forward_only=False)
+        metrics = combine_metrics(results, micro_batches)
+        loss_name = "vf_loss" if self.config.role == "critic" else "loss"
+        if math.isfinite(metrics.get(loss_name, 0.0)) and self._grads_finite():
+            self.scheduler.step(increment=1)  # the LR of optimizer step k is the schedule's value at k
+            _, grad_norm, _ = self.optimizer.step()
+            self.step += 1
+            metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        else:
+            self.skipped_steps += 1
+            warnings.warn(
+                f"non-finite loss or gradient at optimizer step {self.step + 1}: step skipped, weights unchanged "
+                f"({self.skipped_steps} skipped so far)"
+            )
+            self._zero_grads()
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics["skipped_steps"] = float(self.skipped_steps)
+        num_tokens = sum(batch.lengths)
+        metrics.update(self._perf.report(num_tokens, time.perf_counter() - started, training=True))
+        return metrics
+
+    def _zero_grads(self) -> None:
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()  # param.grad aliases the buffer after a step; clear it too
+
+    def _grads_finite(self) -> bool:
+        """Whether every rank's gradients are finite (collective)."""
+        total = torch.zeros(1, dtype=torch.float64)
+        for chunk in self.chunks:
+            for param in chunk.parameters():
+                grad = getattr(param, "main_grad", None)
+                if grad is not None:
+                    total += grad.detach().double().pow(2).sum().cpu()
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        return bool(torch.isfinite(total))
+
+    # ---- batching -------------------------------------------------------------------------
+
+    def _micro_batches(self, batch: SequenceBatch) -> list[MicroBatch]:
+        """This rank's micro-batches: its data-parallel share, split by the token budget.
+
+        Every rank holds the whole batch and computes every rank's plan, so micro-batch counts and
+        (with pipeline stages) shapes agree without communication."""
+        from megatron.core import parallel_state as ps
+
+        settings = self.config.batching
+        lengths = batch.lengths
+        shards = balance_across_ranks(lengths, ps.get_data_parallel_world_size())
+        count = max(count_micro_batches([lengths[i] for i in shard], settings.max_tokens_per_microbatch) for shard in shards)
+        count = max(count, settings.min_microbatches)
+        if self.layout.virtual_stages > 1:  # the interleaved schedule runs micro-batches in groups of pp
+            count = -(-max(count, self.layout.pp) // self.layout.pp) * self.layout.pp
+        plans = [split_by_token_budget(shard, lengths, count) for shard in shards]
+        multiple = self.layout.tp if self.transformer_config.sequence_parallel else 1
+        shape = None
+        if self.layout.pp > 1:  # stages exchange activations of one fixed shape
+            if settings.packing:
+                shape = (1, max(sum(lengths[i] for i in group) for plan in plans for group in plan))
+            else:
+                shape = (max(len(group) for plan in plans for group in plan), max(lengths))
+            shape = (shape[0], -(-max(shape[1], 1) // multiple) * multiple)
+        use_thd = settings.packing and has_transformer_engine() and torch.cuda.is_available()
+        return [
+            build_micro_batch(batch, group, packing=settings.packing, pad_to_multiple=multiple, shape=shape, use_thd=use_thd)
+            for group in plans[ps.get_data_parallel_rank()]
+        ]
+
+    # ---- memory ---------------------------------------------------------------------------
+
+    def offload(self) -> int:
+        """Move parameters, gradient buffers and optimizer state to host memory; the bytes moved."""
+        tensors = list(model_tensors(self.chunks))
+        if self.optimizer is not None:
+            tensors += list(optimizer_tensors(self.optimizer))
+        return self._host.offload(tensors)
+
+    def onload(self) -> int:
+        """Bring back what ``offload`` moved; the bytes moved."""
+        return self._host.onload()
+
+    @property
+    def offloaded(self) -> bool:
+        return self._host.active
+
+    @contextlib.contextmanager
+    def _on_device(self):
+        """Onload for the call if offloaded, and offload again after (a reference's resting state)."""
+        was_offloaded = self.offloaded
+        if was_offloaded:
+            self.onload()
+        try:
+            yield
+        finally:
+            if was_offloaded:
+                self.offload()
+
+    # ---- checkpoints and export -----------------------------------------------------------
+
+    def save_checkpoint(self, root: str | Path, extra: Optional[dict] = None) -> Path:
+        """Save model, optimizer, LR schedule, RNG and ``extra`` as ``root/iter_{step}`` (atomic)."""
+        with self._on_device():
+            return checkpoint.save_checkpoint(
+                root, self.step, self.chunks, self.optimizer, self.scheduler,
+                layout_description=self.layout.describe(), extra={**(extra or {}), "skipped_steps": self.skipped_steps},
+            )
+
+    def load_checkpoint(self, path: str | Path) -> dict:
+        """Load a checkpoint saved in any layout; returns the ``extra`` it was saved with."""
+        with self._on_device():
+            self.step, extra = checkpoint.load_checkpoint(path, self.chunks, self.optimizer, self.scheduler)
+        self.skipped_steps = int(extra.pop("skipped_steps", 0))
+        return extra
+
+    def export_hf_weights(self, bucket_bytes: Optional[int] = None, destinations: Optional[list[int]] = None):
+        """The model's weights under HF names, streamed in buckets (see ``rlmega.bridge.export_hf_weights``)."""
+        from rlmega.bridge import DEFAULT_BUCKET_BYTES, export_hf_weights
+
+        if self.offloaded:
+            raise RuntimeError("weights are offloaded; call onload() before exporting")
+        return export_hf_weights(self.chunks, self.spec, bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
+                                 destinations=destinations)
+
+
+def _contiguous_splits(size: int, parts: int) -> list[list[int]]:
+    bounds = [round(size * part / parts) for part in range(parts + 1)]
+    return [list(range(bounds[part], bounds[part + 1])) for part in range(parts)]

@@ -1,0 +1,59 @@
+"""The worker's log-probs and entropies equal the HF model's, in every layout, packed or padded."""
+
+import pytest
+import torch
+
+from hf_models import save_tiny_model
+from rlmega.models import model_spec_from_hf
+from rlmega.parallel.layout import ParallelLayout, destroy, initialize
+from rlmega.testing.multirank import run_on_ranks
+from rlmega.workers.config import BatchingConfig, WorkerConfig
+from rlmega.workers.worker import MegatronWorker
+from worker_cases import hf_logprobs, make_batch
+
+ATOL = 1e-4  # fp32 on CPU: the acceptance bound against HF
+TIMEOUT_S = 240
+
+
+def _logprobs_body(rank, world_size, layout, hf_dir, packing, budget):
+    initialize(layout)
+    config = WorkerConfig(role="ref", batching=BatchingConfig(packing=packing, max_tokens_per_microbatch=budget))
+    worker = MegatronWorker(model_spec_from_hf(hf_dir), layout, config, hf_dir=hf_dir)
+    result = worker.compute_logprobs(make_batch())
+    destroy()
+    return result
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    paths = {}
+    for name in ("llama", "qwen3-moe"):
+        paths[name] = tmp_path_factory.mktemp(name)
+        save_tiny_model(name, paths[name])
+    return paths
+
+
+CASES = {
+    "tp1": ("llama", dict(world_size=1)),
+    "tp2": ("llama", dict(tp=2, world_size=2)),
+    "pp2": ("llama", dict(pp=2, world_size=2)),
+    "dp2": ("llama", dict(world_size=2)),
+    "ep2-moe": ("qwen3-moe", dict(ep=2, world_size=2)),
+}
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_logprobs_match_hf(checkpoints, case, packing):
+    model, layout_args = CASES[case]
+    layout = ParallelLayout(**layout_args)
+    batch = make_batch()
+    expected_logp, expected_entropy = hf_logprobs(checkpoints[model], batch)
+    results = run_on_ranks(_logprobs_body, layout.world_size, timeout_s=TIMEOUT_S,
+                           args=(layout, str(checkpoints[model]), packing, 20))
+    for logp, entropy in results:  # every rank gets the whole batch's results
+        assert [t.shape for t in logp] == [t.shape for t in expected_logp]
+        for got, want in zip(logp, expected_logp):
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+        for got, want in zip(entropy, expected_entropy):
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
