@@ -45,9 +45,10 @@ def _all_needed(needed: dict) -> dict:
     return union
 
 
-def check_checkpoint(checkpoint: HFCheckpoint, needed: dict[str, tuple], tied: bool) -> None:
-    """Raise CheckpointError naming the first missing, unexpected or mis-shaped tensor."""
-    present = checkpoint.keys()
+def check_checkpoint(checkpoint: HFCheckpoint, needed: dict[str, tuple], tied: bool, unused: frozenset = frozenset()) -> None:
+    """Raise CheckpointError naming the first missing, unexpected or mis-shaped tensor (``unused``
+    names may be present without being needed)."""
+    present = checkpoint.keys() - unused
     for name in sorted(needed):
         if name not in present:
             raise CheckpointError(f"checkpoint {checkpoint.directory} is missing {name!r}, which the model config needs")
@@ -66,11 +67,16 @@ def check_checkpoint(checkpoint: HFCheckpoint, needed: dict[str, tuple], tied: b
 
 
 @torch.no_grad()
-def load_hf_weights(chunks: list, spec: ModelSpec, directory: str | Path) -> None:
-    """Fill this rank's Megatron chunks from an HF checkpoint directory (collective over all ranks)."""
+def load_hf_weights(chunks: list, spec: ModelSpec, directory: str | Path, *, without_lm_head: bool = False) -> None:
+    """Fill this rank's Megatron chunks from an HF checkpoint directory (collective over all ranks).
+
+    ``without_lm_head``: the model has no LM head (a critic's value head replaces it), so the
+    checkpoint's ``lm_head.weight`` is not used.
+    """
     checkpoint = HFCheckpoint(directory)
     plan, needed = _plan(chunks, spec)
-    check_checkpoint(checkpoint, _all_needed(needed), spec.tie_word_embeddings)
+    unused = frozenset({_LM_HEAD}) if without_lm_head else frozenset()
+    check_checkpoint(checkpoint, _all_needed(needed), spec.tie_word_embeddings, unused)
     geometry = geometry_of(spec)
     for param, rule, names, tp_rank, tp, owner in plan:
         shard = shard_from_hf(rule, checkpoint.read, names, param.tensor.shape, param.partition_dim, tp_rank, tp, geometry)

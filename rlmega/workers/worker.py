@@ -45,7 +45,7 @@ class MegatronWorker:
         if hf_dir is not None:
             from rlmega.bridge import load_hf_weights
 
-            load_hf_weights(self.chunks, spec, hf_dir)
+            load_hf_weights(self.chunks, spec, hf_dir, without_lm_head=config.role == "critic")
         self.optimizer = self.scheduler = None
         if config.trains:
             self.optimizer, self.scheduler = build_optimizer(self.chunks, config.optimizer, resolve_dtype(config), total_steps)

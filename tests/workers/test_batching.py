@@ -1,0 +1,80 @@
+"""Micro-batch planning and building: balanced, within budget, lossless, and masks that isolate sequences."""
+
+import pytest
+import torch
+
+from rlmega.workers.batching import (
+    SequenceBatch, balance_across_ranks, block_causal_mask, build_micro_batch, count_micro_batches,
+    padded_field, split_by_token_budget, split_padded,
+)
+
+
+def _batch(lengths=((2, 5), (3, 9), (1, 4), (4, 6))):
+    tokens = [torch.arange(100 * i, 100 * i + total) for i, (_, total) in enumerate(lengths)]
+    return SequenceBatch(tokens, [prompt for prompt, _ in lengths])
+
+
+def test_balance_is_by_tokens_and_covers_every_sequence():
+    lengths = [100, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10]
+    shards = balance_across_ranks(lengths, 2)
+    assert sorted(i for shard in shards for i in shard) == list(range(len(lengths)))
+    assert [sum(lengths[i] for i in shard) for shard in shards] == [100, 100]  # not 6 vs 5 sequences
+    assert balance_across_ranks([5], 3) == [[0], [], []]
+
+
+def test_token_budget_counts_and_splits():
+    lengths = [7, 5, 4, 3, 1]
+    assert count_micro_batches(lengths, 10) == 2  # 7+3, 5+4+1
+    assert count_micro_batches([12, 1], 10) == 2  # an over-long sequence sits alone
+    groups = split_by_token_budget([0, 1, 2, 3, 4], lengths, 3)
+    assert sorted(i for group in groups for i in group) == [0, 1, 2, 3, 4]
+    assert max(sum(lengths[i] for i in g) for g in groups) - min(sum(lengths[i] for i in g) for g in groups) <= 3
+    assert split_by_token_budget([0], [4], 2) == [[0], []]  # empty micro-batches when short of sequences
+
+
+def test_packed_micro_batch_places_response_tokens_exactly():
+    batch = _batch()
+    micro = build_micro_batch(batch, [0, 1], packing=True, pad_to_multiple=4)
+    assert micro.tokens.shape == (1, 16)  # 5 + 9 tokens, padded to a multiple of 4
+    flat = micro.tokens.view(-1)
+    # Each response token is predicted from the position just before it.
+    assert torch.equal(flat[micro.response_positions + 1], micro.response_targets)
+    assert torch.equal(micro.response_targets, torch.cat([batch.tokens[0][2:], batch.tokens[1][3:]]))
+    assert micro.response_lengths == [3, 6]
+    assert micro.position_ids[0, :5].tolist() == [0, 1, 2, 3, 4] and micro.position_ids[0, 5] == 0
+
+
+def test_block_causal_mask_isolates_sequences():
+    mask = block_causal_mask([2, 3])[0, 0]  # True = masked
+    allowed = ~mask
+    assert allowed[1, 0] and allowed[1, 1] and not allowed[0, 1]  # causal inside a segment
+    assert not allowed[2, 1] and allowed[4, 2]  # never across segments
+
+
+def test_padded_micro_batch_and_forced_shape():
+    batch = _batch()
+    micro = build_micro_batch(batch, [2, 3], packing=False, shape=(3, 8))
+    assert micro.tokens.shape == (3, 8) and micro.attention_mask is None
+    flat = micro.tokens.view(-1)
+    assert torch.equal(flat[micro.response_positions + 1], micro.response_targets)
+    empty = build_micro_batch(batch, [], packing=True, pad_to_multiple=2)
+    assert empty.response_targets.numel() == 0 and empty.tokens.shape == (1, 2)
+
+
+def test_padded_field_round_trip():
+    values = [torch.tensor([1.0, 2.0]), torch.tensor([3.0])]
+    padded, mask = padded_field(values)
+    assert padded.tolist() == [[1.0, 2.0], [3.0, 0.0]] and mask.tolist() == [[True, True], [True, False]]
+    assert torch.equal(split_padded(torch.tensor([1.0, 2.0, 3.0]), [2, 1]), padded)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(prompt_lengths=[5]), "at least one response token"),
+    (dict(fields={"advantages": [torch.zeros(2)]}), "expected \\[3\\]"),
+    (dict(prompt_lengths=[2, 2]), "1 sequences but 2 prompt lengths"),
+])
+def test_sequence_batch_rejects_bad_input(bad, message):
+    arguments = dict(tokens=[torch.arange(5)], prompt_lengths=[2], fields={})
+    arguments.update(bad)
+    with pytest.raises(ValueError, match=message):
+        SequenceBatch(**arguments)

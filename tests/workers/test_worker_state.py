@@ -1,0 +1,228 @@
+"""Worker state: offload/onload is bit-exact, checkpoints resume in the same and other layouts,
+the critic learns values, LR schedules follow their formulas."""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_models import save_tiny_model
+from rlmega.models import model_spec_from_hf
+from rlmega.parallel.layout import ParallelLayout, destroy, initialize
+from rlmega.testing.multirank import RankFailure, run_on_ranks
+from rlmega.workers.checkpoint import TRACKER, CheckpointNotFoundError, latest_checkpoint
+from rlmega.workers.config import BatchingConfig, CriticLossConfig, OptimizerConfig, WorkerConfig
+from rlmega.workers.offload import model_tensors, optimizer_tensors
+from rlmega.workers.worker import MegatronWorker
+from worker_cases import make_batch
+
+TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    save_tiny_model("llama", path)
+    return path
+
+
+def _actor_config(**optimizer):
+    return WorkerConfig(role="actor", optimizer=OptimizerConfig(lr=1e-2, adam_eps=1e-3, **optimizer),
+                        batching=BatchingConfig(max_tokens_per_microbatch=24))
+
+
+def _train_batch(worker, seed):
+    batch = make_batch(seed)
+    old_logp, _ = worker.compute_logprobs(batch)
+    generator = torch.Generator().manual_seed(seed)
+    return batch.with_fields(old_logp=old_logp, advantages=[torch.randn(n, generator=generator) for n in batch.response_lengths])
+
+
+def _weights(worker):
+    return {name: tensor.clone() for name, tensor in worker.export_hf_weights(destinations=[0])}
+
+
+# ---- offload ---------------------------------------------------------------------------------
+
+def _offload_body(rank, world_size, layout, hf_dir):
+    initialize(layout)
+    worker = MegatronWorker(model_spec_from_hf(hf_dir), layout, _actor_config(), hf_dir=hf_dir)
+    worker.update(_train_batch(worker, 1))  # optimizer state and gradient buffers now hold values
+    tensors = list(model_tensors(worker.chunks)) + list(optimizer_tensors(worker.optimizer))
+    before = [tensor.detach().clone() for tensor in tensors]
+    moved_out = worker.offload()
+    released = all(tensor.untyped_storage().nbytes() == 0 for tensor in tensors if tensor.numel())
+    moved_in = worker.onload()
+    identical = all(torch.equal(a, b) for a, b in zip(before, (t.detach() for t in tensors)))
+    metrics = worker.update(_train_batch(worker, 2))  # still trains after the round trip
+    destroy()
+    return moved_out, moved_in, released, identical, math.isfinite(metrics["actor/loss"])
+
+
+def test_offload_then_onload_is_bit_identical(llama):
+    layout = ParallelLayout(tp=2, world_size=2)
+    for moved_out, moved_in, released, identical, trains in run_on_ranks(_offload_body, 2, timeout_s=TIMEOUT_S, args=(layout, str(llama))):
+        assert moved_out == moved_in > 0
+        assert released and identical and trains
+
+
+def _reference_offload_body(rank, world_size, layout, hf_dir):
+    initialize(layout)
+    config = WorkerConfig(role="ref", offload=True)
+    worker = MegatronWorker(model_spec_from_hf(hf_dir), layout, config, hf_dir=hf_dir)
+    resting = worker.offloaded
+    logp, _ = worker.compute_logprobs(make_batch())
+    still_resting = worker.offloaded
+    plain = MegatronWorker(model_spec_from_hf(hf_dir), layout, WorkerConfig(role="ref"), hf_dir=hf_dir)
+    expected, _ = plain.compute_logprobs(make_batch())
+    destroy()
+    return resting, still_resting, all(torch.equal(a, b) for a, b in zip(logp, expected))
+
+
+def test_offloaded_reference_comes_in_for_the_pass_and_goes_back(llama):
+    layout = ParallelLayout(world_size=1)
+    resting, still_resting, equal = run_on_ranks(_reference_offload_body, 1, timeout_s=TIMEOUT_S, args=(layout, str(llama)))[0]
+    assert resting and still_resting and equal
+
+
+# ---- checkpoints ------------------------------------------------------------------------------
+
+def _save_body(rank, world_size, layout, hf_dir, root):
+    initialize(layout)
+    worker = MegatronWorker(model_spec_from_hf(hf_dir), layout, _actor_config(lr_schedule="cosine", lr_warmup_steps=1),
+                            hf_dir=hf_dir, total_steps=5)
+    worker.update(_train_batch(worker, 1))
+    path = worker.save_checkpoint(root, extra={"sampler": {"epoch": 0, "position": 6}})
+    metrics = worker.update(_train_batch(worker, 2))  # the step a resumed run must reproduce
+    weights = _weights(worker)
+    destroy()
+    return str(path), metrics, weights
+
+
+def _resume_body(rank, world_size, layout, hf_dir, root):
+    initialize(layout)
+    spec = model_spec_from_hf(hf_dir)
+    worker = MegatronWorker(spec, layout, _actor_config(lr_schedule="cosine", lr_warmup_steps=1), total_steps=5)
+    extra = worker.load_checkpoint(root)  # the root: its tracker names the latest
+    step = worker.step
+    metrics = worker.update(_train_batch(worker, 2))
+    weights = _weights(worker)
+    destroy()
+    return extra, step, metrics, weights
+
+
+@pytest.fixture(scope="module")
+def saved(llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("checkpoints")
+    layout = ParallelLayout(tp=2, world_size=2)
+    path, metrics, weights = run_on_ranks(_save_body, 2, timeout_s=TIMEOUT_S, args=(layout, str(llama), str(root)))[0]
+    return root, path, metrics, weights
+
+
+def test_checkpoint_is_megatron_shaped_and_complete(saved):
+    root, path, _, _ = saved
+    assert (root / TRACKER).read_text() == "1"
+    assert latest_checkpoint(root) == latest_checkpoint(path) == root / "iter_0000001"
+    assert not list(root.glob("*.tmp"))
+
+
+def test_half_written_checkpoint_is_never_the_latest(llama, saved, tmp_path):
+    root, path, _, _ = saved
+    (tmp_path / "iter_0000003.tmp").mkdir()  # a crash mid-save leaves only a staging directory
+    assert latest_checkpoint(tmp_path) is None
+    (tmp_path / TRACKER).write_text("3")  # even a tracker naming it does not make it complete
+    assert latest_checkpoint(tmp_path) is None
+    with pytest.raises(RankFailure, match=f"{CheckpointNotFoundError.__name__}: no complete checkpoint"):
+        run_on_ranks(_resume_body, 1, timeout_s=TIMEOUT_S, args=(ParallelLayout(), str(llama), str(tmp_path)))
+
+
+@pytest.mark.parametrize("layout_args", [dict(tp=2, world_size=2), dict(world_size=1), dict(pp=2, world_size=2)],
+                         ids=["same-tp2", "tp1", "pp2"])
+def test_resume_gives_the_identical_next_step(llama, saved, layout_args):
+    root, _, expected_metrics, expected_weights = saved
+    layout = ParallelLayout(**layout_args)
+    extra, step, metrics, weights = run_on_ranks(_resume_body, layout.world_size, timeout_s=TIMEOUT_S, args=(layout, str(llama), str(root)))[0]
+    assert extra == {"sampler": {"epoch": 0, "position": 6}} and step == 1
+    assert metrics["actor/lr"] == pytest.approx(expected_metrics["actor/lr"])  # the schedule resumed too
+    for name, tensor in weights.items():
+        torch.testing.assert_close(tensor, expected_weights[name], atol=1e-5, rtol=0, msg=name)
+
+
+# ---- critic -----------------------------------------------------------------------------------
+
+def _critic_body(rank, world_size, layout, hf_dir):
+    initialize(layout)
+    config = WorkerConfig(role="critic", optimizer=OptimizerConfig(lr=3e-3), critic_loss=CriticLossConfig(cliprange_value=None))
+    worker = MegatronWorker(model_spec_from_hf(hf_dir), layout, config, hf_dir=hf_dir)
+    batch = make_batch()
+    heads = [p for chunk in worker.chunks for p in chunk.parameters() if getattr(p, "is_value_head", False)]
+    with torch.no_grad():
+        for head in heads:  # the same known head on every rank, for the reference
+            head.copy_(torch.randn(head.shape, generator=torch.Generator().manual_seed(8)))
+    values = worker.compute_values(batch)
+    with torch.no_grad():
+        for head in heads:
+            head.zero_()  # learn from the usual zero start
+    generator = torch.Generator().manual_seed(4)
+    returns = [torch.randn(n, generator=generator) for n in batch.response_lengths]
+    losses = []
+    for _ in range(10):
+        losses.append(worker.update(batch.with_fields(values=worker.compute_values(batch), returns=returns))["critic/vf_loss"])
+    destroy()
+    return values, len(heads), losses
+
+
+def _hf_values(hf_dir, batch, hidden_size):
+    """The reference: HF's final (normed) hidden states at the response-predicting positions, times the head."""
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    head = torch.randn((1, hidden_size), generator=torch.Generator().manual_seed(8))
+    values = []
+    with torch.no_grad():
+        for tokens, prompt in zip(batch.tokens, batch.prompt_lengths):
+            hidden = model(tokens.unsqueeze(0), output_hidden_states=True).hidden_states[-1][0]
+            values.append((hidden @ head.T)[prompt - 1:-1, 0])
+    return values
+
+
+def test_critic_values_match_a_reference_forward_and_value_loss_falls(llama):
+    layout = ParallelLayout(tp=2, world_size=2)
+    expected = _hf_values(llama, make_batch(), 64)
+    for values, num_heads, losses in run_on_ranks(_critic_body, 2, timeout_s=TIMEOUT_S, args=(layout, str(llama))):
+        assert num_heads == 1  # one value head, on the last stage
+        for got, want in zip(values, expected):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        assert losses[-1] < 0.5 * losses[0], losses
+
+
+# ---- learning-rate schedules ------------------------------------------------------------------
+
+def _schedule_body(rank, world_size, layout, hf_dir, schedules):
+    initialize(layout)
+    spec = model_spec_from_hf(hf_dir)
+    curves = {}
+    for name, settings in schedules.items():
+        worker = MegatronWorker(spec, layout, WorkerConfig(optimizer=OptimizerConfig(**settings)), total_steps=10)
+        curve = []
+        for _ in range(10):
+            worker.scheduler.step(increment=1)
+            curve.append(worker.optimizer.param_groups[0]["lr"])
+        curves[name] = curve
+    destroy()
+    return curves
+
+
+def test_lr_schedules_follow_their_formulas(llama):
+    peak, floor = 1e-3, 1e-4
+    schedules = {
+        "constant": dict(lr=peak, lr_schedule="constant", lr_warmup_steps=2),
+        "cosine": dict(lr=peak, min_lr=floor, lr_schedule="cosine", lr_warmup_steps=2),
+        "wsd": dict(lr=peak, min_lr=floor, lr_schedule="wsd", lr_warmup_steps=2, wsd_decay_steps=4),
+    }
+    curves = run_on_ranks(_schedule_body, 1, timeout_s=TIMEOUT_S, args=(ParallelLayout(), str(llama), schedules))[0]
+    warmup = [peak / 2, peak]
+    assert curves["constant"] == pytest.approx(warmup + [peak] * 8)
+    cosine = [floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * (step - 2) / 8)) for step in range(3, 11)]
+    assert curves["cosine"] == pytest.approx(warmup + cosine)
+    wsd = [peak] * 4 + [peak - (peak - floor) * (step - 6) / 4 for step in range(7, 11)]
+    assert curves["wsd"] == pytest.approx(warmup + wsd)
