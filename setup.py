@@ -16,6 +16,8 @@ INSTALL_REQUIRES = [
     "rich>=13,<16",
     "tqdm>=4.66,<5",
     "psutil>=5.9",  # dist_checkpointing's writer processes require it
+    "matplotlib>=3.8,<4",  # the trainer's reward_curve.png (tested with 3.11)
+    "tensorboard>=2.14,<3",  # the trainer's tensorboard metrics backend (tested with 2.21)
 ]
 
 EXTRAS_REQUIRE = {
