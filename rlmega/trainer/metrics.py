@@ -92,7 +92,9 @@ def _require(backend: str) -> None:
 
 
 def _as_number(key: str, value: Any) -> float:
-    if isinstance(value, (bool, int, float)):
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, (int, float)):
         return value
     if hasattr(value, "item"):  # torch / numpy scalars
         try:
