@@ -1,6 +1,6 @@
 """Hugging Face safetensors -> Megatron torch_dist checkpoint for a target parallel layout.
 
-The model is built at the target layout on spawned gloo ranks (CPU), filled by the bridge's
+The model is built at the target layout on spawned gloo ranks (CPU, GPUs hidden from them), filled by the bridge's
 importer (each rank reads only its slices) and saved with Megatron's own
 ``dist_checkpointing.save``: the result is exactly what a training job at that layout would save,
 including the per-layout vocabulary padding and the objects Megatron expects next to the weights.
@@ -12,8 +12,10 @@ Memory: the ranks together hold the model once in ``--dtype``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
 import sys
 import threading
 import time
@@ -92,6 +94,21 @@ def _hf_bytes(hf_dir: Path, dtype: torch.dtype, spec, tp: int) -> int:
     return (numel + padding) * dtype.itemsize
 
 
+@contextlib.contextmanager
+def _cpu_only():
+    """Spawned ranks see no GPU: they run over gloo on CPU (rlmega's CPU platform), also on a GPU
+    node, so a conversion needs no free GPUs."""
+    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = previous
+
+
 def _watch(directory: Path, total: int, quiet: bool, stop: threading.Event) -> None:
     """A bytes progress bar over what Megatron has written so far."""
     from tqdm import tqdm
@@ -133,8 +150,9 @@ def convert(hf_dir: str | Path, output: str | Path, layout, *, dtype: Optional[t
         watcher = threading.Thread(target=_watch, args=(partial, total, quiet, stop), daemon=True)
         watcher.start()
         try:
-            run_on_ranks(_save_rank, layout.world_size, timeout_s=timeout_s,
-                         args=(layout, str(hf_dir), str(target), dtype))
+            with _cpu_only():
+                run_on_ranks(_save_rank, layout.world_size, timeout_s=timeout_s,
+                             args=(layout, str(hf_dir), str(target), dtype))
         except RankFailure as failure:
             lines = failure.detail.strip().splitlines()
             raise ConversionError(f"rank {failure.rank}: {lines[-1] if lines else 'failed'}") from failure
