@@ -1,6 +1,8 @@
 """HF -> torch_dist (TP=2, through ``rlmega convert``) -> HF is bit-identical, and Megatron loads
 the written checkpoint at another layout (TP=2×EP=2) to the same weights."""
 
+import json
+
 import torch
 from safetensors.torch import load_file
 
@@ -44,6 +46,14 @@ def test_hf_to_mcore_to_hf_is_bit_identical_and_loads_at_another_layout(hf_model
     for name, tensor in original.items():
         assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
     assert main(["convert", "verify", str(back), str(hf)]) == 0
+
+    # Cast on export: not bit-identical any more, so verify judges the fp32 logits.
+    cast = tmp_path / "hf-bf16"
+    assert main(["convert", "mcore-to-hf", str(megatron), str(cast), "--hf-base", str(hf), "--dtype", "bfloat16", "--quiet"]) == 0
+    assert json.loads((cast / "config.json").read_text())["dtype"] == "bfloat16"
+    assert all(t.dtype == torch.bfloat16 for t in read_export(cast).values())
+    assert main(["convert", "verify", str(cast), str(hf), "--atol", "0.05"]) == 0
+    assert main(["convert", "verify", str(cast), str(hf), "--atol", "1e-7"]) == 1
 
     layout = ParallelLayout(tp=2, ep=2, world_size=2)
     loaded = run_on_ranks(_load_and_export, 2, timeout_s=TIMEOUT_S,
