@@ -1,0 +1,9 @@
+"""Launchers: bring up a Ray cluster on the nodes a scheduler gave us and run ``rlmega train`` on it.
+
+- :mod:`rlmega.launch.ray_cluster`  one Ray node (``ray start --block``), node IPs, waiting for nodes;
+  also the per-node command the SLURM scripts run with ``srun``.
+- :mod:`rlmega.launch.torchrun`     a bootstrap run by ``torchrun`` on every node.
+- :mod:`rlmega.launch.ray_job`      ``ray job submit`` to a running cluster with a working runtime env.
+
+Users' entry points (sbatch scripts, shell helpers) and the documentation live in ``launch/``.
+"""
