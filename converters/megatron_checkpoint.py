@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from converters.chunk_reader import DirectChunkReader
 from converters.errors import ConversionError
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -167,9 +168,10 @@ def parse_key(key: str, metadata: TensorStorageMetadata, num_layers: int) -> Ite
 
 def _cause(error: BaseException) -> str:
     """The underlying error of a (per-rank wrapped) checkpoint failure, on one line."""
-    failures = getattr(error, "failures", None)
+    failures = getattr(error, "failures", None)  # {rank: (exception, traceback frames)}
     if failures:
-        error = getattr(next(iter(failures.values())), "exc", error)
+        first = next(iter(failures.values()))
+        error = first[0] if isinstance(first, tuple) and isinstance(first[0], BaseException) else error
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
@@ -211,17 +213,6 @@ class _RegionPlanner(LoadPlanner):
         pass
 
 
-class _CachedReader(dcp.FileSystemReader):
-    """Reads ``.metadata`` once, not once per bucket."""
-
-    _metadata = None
-
-    def read_metadata(self, *args, **kwargs):
-        if self._metadata is None:
-            self._metadata = super().read_metadata(*args, **kwargs)
-        return self._metadata
-
-
 class MegatronCheckpoint:
     """The model tensors of one torch_dist checkpoint directory (see ``resolve_checkpoint_dir``)."""
 
@@ -235,7 +226,7 @@ class MegatronCheckpoint:
                     f"{self.directory} was saved with the {kind!r} backend; only torch_dist is read here "
                     "(re-save it with dist_checkpointing's torch_dist strategy)"
                 )
-        self.reader = _CachedReader(str(self.directory))
+        self.reader = DirectChunkReader(str(self.directory))
         self.metadata = self.reader.read_metadata()
 
     def tensor_keys(self) -> dict[str, TensorStorageMetadata]:

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from converters.chunk_reader import DirectChunkReader, locate_tensor_bytes
 from converters.megatron_checkpoint import MegatronCheckpoint, leading_axes
 
 
@@ -55,3 +56,55 @@ def test_singleton_local_shards_glu_halves_are_joined_and_mtp_is_renumbered(tmp_
     param = params["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]
     assert param.shape == (12, 4)
     assert torch.equal(torch.cat(checkpoint.read(list(param.parts))), torch.cat([gate, up]))
+
+
+def _archive(tensor, tmp_path):
+    """A file holding 5 bytes of something else, then ``torch.save(tensor)``, as in a .distcp file."""
+    path = tmp_path / "archive.bin"
+    with open(path, "wb") as handle:
+        handle.write(b"xxxxx")
+        torch.save(tensor, handle)
+    return path, 5, path.stat().st_size - 5
+
+
+def test_raw_bytes_of_a_plain_tensor_are_found(tmp_path):
+    tensor = torch.randn(3, 5)
+    path, offset, length = _archive(tensor, tmp_path)
+    with open(path, "rb") as stream:
+        start = locate_tensor_bytes(stream, offset, length, (3, 5), torch.float32)
+        stream.seek(offset + start)
+        raw = stream.read(tensor.numel() * 4)
+    assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(3, 5), tensor)
+
+
+@pytest.mark.parametrize("tensor, size, dtype", [
+    (torch.randn(5, 3).t(), (3, 5), torch.float32),  # not contiguous: torch's own reader must handle it
+    (torch.randn(3, 5), (3, 5), torch.bfloat16),  # other dtype than the metadata says
+    (torch.randn(4, 5)[1:], (3, 5), torch.float32),  # a view into a larger storage
+])
+def test_anything_but_a_plain_tensor_is_left_to_torch(tensor, size, dtype, tmp_path):
+    path, offset, length = _archive(tensor, tmp_path)
+    with open(path, "rb") as stream:
+        assert locate_tensor_bytes(stream, offset, length, size, dtype) is None
+
+
+def test_direct_reads_equal_torch_reads_on_a_megatron_checkpoint(checkpoints, monkeypatch):
+    """Chunks read straight into place (most here) and through torch's reader give the same bytes."""
+    root, _ = checkpoints["moe-tp2-pp2-ep2"]
+    checkpoint = MegatronCheckpoint(root)
+    regions = [region for param in checkpoint.params(num_layers=4) for region in param.parts]
+    direct, fallback = [], []
+    read_whole_chunk = DirectChunkReader._read_whole_chunk
+
+    def counting(self, stream, item, planner):
+        done = read_whole_chunk(self, stream, item, planner)
+        (direct if done else fallback).append(item)
+        return done
+
+    monkeypatch.setattr(DirectChunkReader, "_read_whole_chunk", counting)
+    ours = checkpoint.read(regions)
+    monkeypatch.setattr(DirectChunkReader, "_read_whole_chunk", lambda self, stream, item, planner: False)
+    theirs = checkpoint.read(regions)
+    assert len(direct) > len(fallback) > 0  # column-split chunks land in non-contiguous slices
+    for region, a, b in zip(regions, ours, theirs):
+        assert torch.equal(a, b), region.key
