@@ -4,9 +4,9 @@ they overlap, so recipes carry over."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Optional
+from typing import Optional
 
-Role = Literal["actor", "ref", "critic"]
+ROLES = ("actor", "ref", "critic")
 LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
 
 
@@ -95,7 +95,7 @@ class CriticLossConfig:
 
 @dataclasses.dataclass
 class WorkerConfig:
-    role: Role = "actor"
+    role: str = "actor"
     """actor: log-probs and policy updates; ref: log-probs only; critic: values and value updates."""
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     batching: BatchingConfig = dataclasses.field(default_factory=BatchingConfig)
@@ -115,7 +115,7 @@ class WorkerConfig:
     seed: int = 1234
 
     def __post_init__(self):
-        if self.role not in ("actor", "ref", "critic"):
+        if self.role not in ROLES:
             raise ValueError(f"worker role {self.role!r} must be one of actor, ref, critic")
         if self.ppo_epochs < 1 or self.ppo_mini_batches < 1:
             raise ValueError("ppo_epochs and ppo_mini_batches must be >= 1")

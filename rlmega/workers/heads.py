@@ -142,3 +142,15 @@ def critic_head(batch: SequenceBatch, config: CriticLossConfig, *, backward_scal
         )
 
     return head
+
+
+def sft_head(batch: SequenceBatch, *, vocab_size: int, chunk_tokens: int, backward_scale: float) -> Head:
+    """Supervised fine-tuning: mean negative log-likelihood of the response tokens over the mini-batch."""
+    denominators = global_denominators(batch)
+
+    def head(micro_batch: MicroBatch, output: torch.Tensor) -> HeadResult:
+        logp_flat, _ = _logprobs(micro_batch, output, vocab_size, chunk_tokens)
+        loss = -logp_flat.sum() / denominators.num_tokens.clamp(min=1)
+        return HeadResult(loss=(loss + _attached(output)) * backward_scale, summed={"sft_loss": loss.detach()})
+
+    return head

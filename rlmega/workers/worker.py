@@ -104,13 +104,26 @@ class MegatronWorker:
             for name in names
         }
 
-    def _train_step(self, batch: SequenceBatch) -> dict[str, float]:
+    def sft_step(self, batch: SequenceBatch, lr: float) -> dict[str, float]:
+        """One supervised step (NLL of the response tokens) at learning rate ``lr``, with the actor's
+        optimizer (its state carries on into RL) and without advancing the RL schedule."""
+        if self.config.role != "actor":
+            raise RuntimeError(f"sft_step needs the actor worker; this one is the {self.config.role}")
+        with self._on_device():
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            return self._train_step(batch, sft=True)
+
+    def _train_step(self, batch: SequenceBatch, sft: bool = False) -> dict[str, float]:
         from megatron.core import parallel_state as ps
 
         started = time.perf_counter()
         micro_batches = self._micro_batches(batch)
         scale = float(len(micro_batches) * ps.get_data_parallel_world_size())
-        if self.config.role == "critic":
+        if sft:
+            head = heads.sft_head(batch, vocab_size=self.spec.vocab_size,
+                                  chunk_tokens=self.config.batching.logprob_chunk_tokens, backward_scale=scale)
+        elif self.config.role == "critic":
             head = heads.critic_head(batch, self.config.critic_loss, backward_scale=scale)
         else:
             head = heads.policy_head(
@@ -120,11 +133,12 @@ class MegatronWorker:
         self._zero_grads()
         results = run_schedule(self.chunks, micro_batches, head, forward_only=False)
         metrics = combine_metrics(results, micro_batches)
-        loss_name = "vf_loss" if self.config.role == "critic" else "loss"
+        loss_name = "sft_loss" if sft else "vf_loss" if self.config.role == "critic" else "loss"
         if math.isfinite(metrics.get(loss_name, 0.0)) and self._grads_finite():
-            self.scheduler.step(increment=1)  # the LR of optimizer step k is the schedule's value at k
+            if not sft:
+                self.scheduler.step(increment=1)  # the LR of optimizer step k is the schedule's value at k
             _, grad_norm, _ = self.optimizer.step()
-            self.step += 1
+            self.step += 0 if sft else 1
             metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         else:
             self.skipped_steps += 1

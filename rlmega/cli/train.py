@@ -1,0 +1,52 @@
+"""``rlmega train``: run RL training from a config and Hydra-style overrides."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+HELP = "run RL training (GRPO, DAPO, PPO, REINFORCE++, RLOO) from a config"
+
+EPILOG = """\
+examples:
+  rlmega train                                   # the tiny CPU GRPO run (configs/tiny_cpu.yaml)
+  rlmega train --config tiny_cpu algo=dapo trainer.total_steps=10
+  rlmega train --config my_run.yaml run_dir=/scratch/run1 layout.world_size=8 layout.tp=4
+  rlmega train --print-config                    # show the resolved configuration and exit
+
+overrides use Hydra syntax: key.sub=value, algo=<name> picks configs/algo/<name>.yaml.
+the run resumes from the latest checkpoint in run_dir unless resume=never; SIGTERM saves a
+checkpoint after the current step and exits with code 143.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EPILOG
+    parser.add_argument("--config", default="tiny_cpu",
+                        help="a config name in configs/ or a path to a YAML file (default: tiny_cpu)")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
+    parser.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. trainer.total_steps=10")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rlmega.config import ConfigError, load_config, validate
+    from rlmega.config.load import to_yaml
+
+    try:
+        config = load_config(args.config, args.overrides, check=False)
+        if args.print_config:
+            print(to_yaml(config))
+            return 0
+        if config.tiny_assets:
+            from rlmega.trainer.assets import prepare_tiny_assets
+
+            prepare_tiny_assets(Path(config.run_dir) / "assets")
+        validate(config)
+    except ConfigError as error:
+        print(f"rlmega train: config error: {error}", file=sys.stderr)
+        return 2
+    from rlmega.trainer.controller import run as run_training
+
+    return run_training(config)

@@ -1,0 +1,152 @@
+"""The one typed configuration tree of an RL run.
+
+YAML files in ``configs/`` only override these defaults, and command-line overrides (Hydra syntax)
+override both. Each component keeps its own small config next to its code (workers, data,
+rewards, metrics); this module gathers them and adds the ones that belong to the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from rlmega.data import DataConfig
+from rlmega.rewards import RewardConfig
+from rlmega.trainer.metrics import MetricsConfig
+from rlmega.workers.config import WorkerConfig
+
+ALGORITHMS = ("grpo", "dapo", "ppo", "reinforce_plus_plus", "rloo")
+PLACEMENTS = ("colocated", "disaggregated")
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    path: str = "???"
+    """HF checkpoint directory (config.json, safetensors, tokenizer files) the run starts from."""
+    tokenizer_path: Optional[str] = None
+    """Tokenizer directory when it is not ``path``."""
+
+
+@dataclasses.dataclass
+class LayoutConfig:
+    """Parallel layout of the training ranks (see ``rlmega.parallel.layout.ParallelLayout``)."""
+
+    world_size: int = 1
+    """Training ranks (one process each)."""
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None
+    cp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    backend: str = "hf"
+    """hf (transformers, CPU or GPU); vllm and sglang on GPU."""
+    num_engines: int = 1
+    placement: str = "colocated"
+    """colocated: engines share the training ranks' resources and sleep while training runs (training
+    offloads while engines generate); disaggregated: engines have resources of their own."""
+    engine_spread: str = "pack"
+    """pack: engines on as few nodes as possible; spread: one per node where possible."""
+    cpus_per_engine: float = 1.0
+    gpus_per_engine: float = 0.0
+    n: int = 4
+    """Responses per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: Optional[int] = None
+    max_new_tokens: int = 256
+    val_temperature: float = 0.0
+    """0: greedy validation."""
+    bucket_bytes: int = 64 * 1024**2
+    """Bucket size of the weight sync."""
+    transport: str = "auto"
+    """Weight-sync transport (see rlmega/sync/README.md)."""
+    post_sync_check: bool = True
+    """After every sync, score a probe with the engine and the trainer and stop if they disagree."""
+
+
+@dataclasses.dataclass
+class AlgorithmConfig:
+    name: str = "grpo"
+    """grpo | dapo | ppo | reinforce_plus_plus | rloo; sets the advantage estimator and the defaults below."""
+    norm_adv_by_std: bool = True
+    """GRPO/DAPO: divide group-centred scores by the group's std (False: Dr. GRPO)."""
+    gamma: float = 1.0
+    lam: float = 1.0
+    """GAE lambda (ppo)."""
+    kl_in_reward_coef: float = 0.0
+    """Subtract ``coef * KL(actor || ref)`` from token rewards (needs the reference); 0 disables."""
+    kl_estimator: str = "k1"
+    dynamic_sampling: bool = False
+    """DAPO: drop prompt groups whose scores are all equal and generate more until the batch is full."""
+    max_generation_rounds: int = 3
+    """DAPO dynamic sampling: at most this many generation rounds per step."""
+    overlong_buffer_length: int = 0
+    """DAPO soft overlong penalty over the last tokens of ``rollout.max_new_tokens``; 0 disables."""
+    overlong_penalty_factor: float = 1.0
+    filter_truncated: bool = False
+    """DAPO overlong filtering: responses that hit the length limit do not count in the loss."""
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    total_steps: int = 100
+    prompts_per_step: int = 32
+    """Prompts per step (responses per step = prompts_per_step * rollout.n)."""
+    save_every: int = 0
+    """Checkpoint every N steps (and at the end); 0: only at the end."""
+    val_every: int = 0
+    """Validate every N steps (and before the first and after the last); 0: never."""
+    val_prompts: int = 64
+    """Validation prompts (the first ones of the validation files)."""
+    seed: int = 1
+    sft_steps: int = 0
+    """Supervised warm-start steps on the training data's ground truths before RL (tiny models)."""
+    sft_lr: float = 1e-3
+
+
+@dataclasses.dataclass
+class ClusterConfig:
+    ray_address: Optional[str] = None
+    """None: start a local Ray; "auto" or an address: join that cluster (RAY_ADDRESS also works)."""
+    cpus_per_rank: float = 1.0
+    gpus_per_rank: float = 0.0
+    timeout_s: float = 600.0
+    """Longest wait for any remote call before the run stops naming the worker."""
+
+
+@dataclasses.dataclass
+class RLConfig:
+    run_dir: str = "runs/rlmega"
+    """Everything the run writes: checkpoints/, metrics.jsonl, placement.json, reward_curve.png, hf/."""
+    resume: str = "auto"
+    """auto: continue from the latest complete checkpoint in run_dir if any; never: start fresh."""
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    val_data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    layout: LayoutConfig = dataclasses.field(default_factory=LayoutConfig)
+    actor: WorkerConfig = dataclasses.field(default_factory=lambda: WorkerConfig(role="actor"))
+    ref: WorkerConfig = dataclasses.field(default_factory=lambda: WorkerConfig(role="ref", offload=True))
+    critic: WorkerConfig = dataclasses.field(default_factory=lambda: WorkerConfig(role="critic"))
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
+    cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
+    export_hf: bool = True
+    """Write the final weights as an HF checkpoint to run_dir/hf."""
+    tiny_assets: bool = False
+    """Build the quickstart's tiny model, tokenizer and arithmetic data under run_dir/assets if missing."""
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.actor.policy_loss.kl_loss_coef > 0 or self.algorithm.kl_in_reward_coef > 0
+
+    @property
+    def needs_critic(self) -> bool:
+        return self.algorithm.name == "ppo"

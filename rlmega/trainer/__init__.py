@@ -1,0 +1,1 @@
+"""The RL trainer: the loop that turns prompts into policy updates (see README.md)."""

@@ -1,0 +1,100 @@
+"""Rollout engines as Ray actors: prompts are split over the engines, answers merged in order."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from rlmega.config.schema import RLConfig
+from rlmega.rollout.protocol import Generation, SamplingParams
+from rlmega.trainer.remote import WorkerFailure, wait_all
+
+
+def _engine_node(_actor) -> tuple[str, str]:
+    import ray
+
+    return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+
+class RolloutGroup:
+    """``rollout.num_engines`` HF engines (the CPU backend), each in its own actor, placed by
+    ``scheduling(i)`` (a Ray scheduling strategy for engine i)."""
+
+    def __init__(self, config: RLConfig, scheduling):
+        import ray
+
+        from rlmega.rollout.hf_engine import HFEngine
+        from rlmega.rollout.ray_actor import RemoteEngine
+
+        if config.rollout.backend != "hf":
+            raise NotImplementedError(
+                f"rollout.backend={config.rollout.backend!r}: the trainer drives the hf backend so far; the vLLM and "
+                "SGLang adapters (rlmega.rollout.vllm_engine / sglang_engine) are not wired into it yet"
+            )
+        self.config = config
+        self.timeout_s = config.cluster.timeout_s
+        engine_class = ray.remote(HFEngine)
+        threads = str(max(1, int(config.rollout.cpus_per_engine)))
+        self.actors = [
+            engine_class.options(
+                num_cpus=config.rollout.cpus_per_engine, num_gpus=config.rollout.gpus_per_engine,
+                scheduling_strategy=scheduling(index),
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": threads}},
+            ).remote(config.model.path)
+            for index in range(config.rollout.num_engines)
+        ]
+        self.names = [f"rollout engine {index}" for index in range(len(self.actors))]
+        self.engines = [RemoteEngine(actor, bucket_bytes=config.rollout.bucket_bytes) for actor in self.actors]
+        located = wait_all([actor.__ray_call__.remote(_engine_node) for actor in self.actors], self.names,
+                           max(self.timeout_s, 300.0), "starting engines")
+        self.nodes = [{"engine": index, "node_id": node, "ip": ip} for index, (node, ip) in enumerate(located)]
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """Responses of all prompts, prompt-major; prompts are split into contiguous shares per engine."""
+        shares = _contiguous_shares(len(prompts), len(self.actors))
+        refs, names = [], []
+        for index, (start, stop) in enumerate(shares):
+            if stop > start:
+                # Each engine gets its own seed so two engines never draw the same samples.
+                engine_params = params if params.seed is None else _with_seed(params, params.seed + 7919 * index)
+                refs.append(self.actors[index].generate.remote(prompts[start:stop], engine_params))
+                names.append(self.names[index])
+        answers = wait_all(refs, names, self.timeout_s, "generate")
+        merged = []
+        for (start, _), generations in zip([s for s in shares if s[1] > s[0]], answers):
+            for generation in generations:
+                generation.prompt_index += start
+                merged.append(generation)
+        return merged
+
+    def versions(self) -> list[int]:
+        return wait_all([actor.weight_version.remote() for actor in self.actors], self.names, self.timeout_s, "weight_version")
+
+    def sleep(self, level: int = 1) -> None:
+        wait_all([actor.sleep.remote(level) for actor in self.actors], self.names, self.timeout_s, "sleep")
+
+    def wake(self) -> None:
+        wait_all([actor.wake.remote() for actor in self.actors], self.names, self.timeout_s, "wake")
+
+    def check_alive(self) -> None:
+        """Raise WorkerFailure naming an engine that no longer answers."""
+        health = wait_all([actor.health.remote() for actor in self.actors], self.names, 60.0, "health check")
+        for name, report in zip(self.names, health):
+            if not isinstance(report, dict):
+                raise WorkerFailure(f"health check: {name} answered {report!r}")
+
+    def shutdown(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor)
+
+
+def _with_seed(params: SamplingParams, seed: Optional[int]) -> SamplingParams:
+    import dataclasses
+
+    return dataclasses.replace(params, seed=seed)
+
+
+def _contiguous_shares(size: int, parts: int) -> list[tuple[int, int]]:
+    bounds = [round(size * part / parts) for part in range(parts + 1)]
+    return [(bounds[part], bounds[part + 1]) for part in range(parts)]
