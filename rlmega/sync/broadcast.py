@@ -109,7 +109,7 @@ class BroadcastTransport:
         self._complete((self._sent + 1) % 2)
         self._channel.post(f"bucket/{self._sent}", ("end",))
         done = [f"done/{rank}" for rank in range(1, self._num_receivers + 1)]
-        self._watch.until(lambda: self._channel.has(done), "the receivers to reach the end of the stream")
+        self._watch.until(lambda: self._channel.has(done), "the receivers to reach the end of the stream", finishing=True)
         self._watch.finish()
 
     def abort(self, reason: str) -> None:

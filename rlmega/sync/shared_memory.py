@@ -154,7 +154,7 @@ class SharedMemoryTransport:
     def finish(self) -> None:
         self._channel.post(f"bucket/{self._sent}", ("end",))
         done = [f"done/{rank}" for rank in range(self._num_receivers)]
-        self._watch.until(lambda: self._channel.has(done), "the receivers to reach the end of the stream")
+        self._watch.until(lambda: self._channel.has(done), "the receivers to reach the end of the stream", finishing=True)
         self._watch.finish()
 
     def abort(self, reason: str) -> None:

@@ -34,7 +34,7 @@ from concurrent.futures import Future
 from typing import Callable, Iterable, Optional, Protocol, Sequence
 
 from rlmega.sync.buckets import NamedTensors
-from rlmega.sync.control import POLL_MAX_S as _POLL_MAX_S, POLL_MIN_S as _POLL_MIN_S, Watch
+from rlmega.sync.control import POLL_MAX_S, POLL_MIN_S, Watch
 from rlmega.sync.errors import TransportError
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -58,8 +58,8 @@ class Transport(Protocol):
 
 def stream_update(transport: Transport, engines: Sequence, buckets: Iterable[NamedTensors], version: int) -> None:
     """Send every bucket of ``buckets`` into ``engines`` as ``version``; returns once they committed it."""
-    transport.open(engines, version)
     try:
+        transport.open(engines, version)
         for bucket in buckets:
             transport.send(bucket)
         transport.finish()
@@ -124,7 +124,7 @@ class _HandOff:
 
     def __iter__(self):
         while True:
-            pause = _POLL_MIN_S
+            pause = POLL_MIN_S
             while True:
                 with self._lock:
                     bucket, self._bucket = self._bucket, None
@@ -133,7 +133,7 @@ class _HandOff:
                 if bucket is not None or end is not None:
                     break
                 time.sleep(pause)
-                pause = min(2 * pause, _POLL_MAX_S)
+                pause = min(2 * pause, POLL_MAX_S)
             if bucket is None:
                 if end != "end":
                     raise TransportError(f"the sender aborted the update: {end}")
@@ -172,34 +172,36 @@ class HandOffTransport:
     def abort(self, reason: str) -> None:
         if self._handoff is not None:
             self._handoff.close(reason)
+        if self._watch is not None:
             self._watch.settle()
 
     def close(self) -> None:
-        self._handoff = None
+        self._handoff = self._watch = None
 
 
-def _shared_memory(**options) -> Transport:
-    from rlmega.sync.shared_memory import SharedMemoryTransport
-
-    return SharedMemoryTransport(**options)
+def _hand_off(name: str) -> Callable[..., Transport]:
+    return lambda *, bucket_bytes, timeout_s: HandOffTransport(name=name, timeout_s=timeout_s)
 
 
-def _broadcast(**options) -> Transport:
-    from rlmega.sync.broadcast import BroadcastTransport
+def _shared_memory(*, bucket_bytes: int, timeout_s: float) -> Transport:
+    from rlmega.sync.shared_memory import SharedMemoryTransport  # it builds on this module
 
-    return BroadcastTransport(**options)
+    return SharedMemoryTransport(bucket_bytes=bucket_bytes, timeout_s=timeout_s)
 
 
+def _broadcast(*, bucket_bytes: int, timeout_s: float) -> Transport:
+    from rlmega.sync.broadcast import BroadcastTransport  # it builds on this module
+
+    return BroadcastTransport(bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+
+
+# name -> factory(bucket_bytes=, timeout_s=), with each transport's defaults for everything else.
 TRANSPORTS: dict[str, Callable[..., Transport]] = {
-    "in_process": lambda **options: HandOffTransport(name="in_process", **_only(options, "timeout_s")),
-    "object_store": lambda **options: HandOffTransport(name="object_store", **_only(options, "timeout_s")),
+    "in_process": _hand_off("in_process"),
+    "object_store": _hand_off("object_store"),
     "shared_memory": _shared_memory,
     "broadcast": _broadcast,
 }
-
-
-def _only(options: dict, *names: str) -> dict:
-    return {name: options[name] for name in names if name in options}
 
 
 def make_transport(transport: "str | Transport", engines: Sequence, *, bucket_bytes: int,
