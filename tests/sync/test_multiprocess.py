@@ -18,7 +18,7 @@ def _one_sender_two_engines(rank, world_size, start_dir, target_dir):
     results = []
     for version, (name, directory) in enumerate([("broadcast", target_dir), ("shared_memory", start_dir)], start=1):
         if rank == 0:
-            transport = make_transport(name, [], bucket_bytes=BUCKET_BYTES, timeout_s=30)
+            transport = make_transport(name, [], bucket_bytes=BUCKET_BYTES, timeout_s=60)
             dist.broadcast_object_list([transport.listen(world_size - 1)], src=0)
             send_all(transport, buckets_of(directory))
             continue
@@ -31,8 +31,8 @@ def _one_sender_two_engines(rank, world_size, start_dir, target_dir):
     return results
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 def test_one_sender_feeds_two_engine_processes_bit_identically(start_dir, target_dir):
-    results = run_on_ranks(_one_sender_two_engines, 3, timeout_s=80, args=(str(start_dir), str(target_dir)))
+    results = run_on_ranks(_one_sender_two_engines, 3, timeout_s=170, args=(str(start_dir), str(target_dir)))
     expected = [("broadcast", 1, []), ("shared_memory", 2, [])]
     assert results == [[], expected, expected]

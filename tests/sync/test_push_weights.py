@@ -81,9 +81,9 @@ def _push_through_each_transport(rank, world_size, start_dir, target_dir):
     return results
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(240)
 def test_push_weights_through_each_transport_and_recover_from_a_failed_one(start_dir, target_dir):
-    engine_rank, other_rank = run_on_ranks(_push_through_each_transport, 2, timeout_s=140,
+    engine_rank, other_rank = run_on_ranks(_push_through_each_transport, 2, timeout_s=230,
                                            args=(str(start_dir), str(target_dir)))
     num_tensors = len(checkpoint_tensors(target_dir))
     for name in ["object_store", "shared_memory", "broadcast"]:

@@ -36,7 +36,7 @@ def _state_dict_in(engine: RemoteEngine) -> dict:
     return ray.get(fetch, timeout=CALL_TIMEOUT_S)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_every_transport_reaches_an_engine_actor_bit_identically(remote, start_dir, target_dir):
     assert make_transport("auto", [remote], bucket_bytes=BUCKET_BYTES).name == "shared_memory"  # same host
     plan = [("shared_memory", target_dir), ("broadcast", start_dir), ("object_store", target_dir)]
@@ -53,7 +53,7 @@ def _killing_the_actor_after(buckets, num_good, actor):
     yield from buckets[num_good:]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("name", ["shared_memory", "broadcast"])
 def test_an_engine_actor_dying_mid_stream_fails_the_sender_quickly(remote, target_dir, name):
     transport = make_transport(name, [remote], bucket_bytes=BUCKET_BYTES, timeout_s=CALL_TIMEOUT_S)
