@@ -113,3 +113,25 @@ def test_one_transport_object_serves_update_after_update(start_dir, target_dir, 
         stream_update(transport, [engine], buckets_of(directory), version)
         require_version(engine, version)
         assert_serves(engine.inner.model.state_dict(), directory)
+
+
+class _EngineElsewhere:
+    """Stands for a RemoteEngine: it starts updates itself, and knows whether it runs on this host."""
+
+    def __init__(self, local: bool):
+        self.local = local
+
+    def start_update(self, named_tensors, version):
+        raise AssertionError("not started in this test")
+
+    def is_local(self) -> bool:
+        return self.local
+
+
+def test_auto_picks_by_where_the_engine_runs(start_dir):
+    def auto(engines):
+        return make_transport("auto", engines, bucket_bytes=BUCKET_BYTES).name
+
+    assert auto([RecordingEngine(start_dir)]) == "in_process"
+    assert auto([_EngineElsewhere(local=True), _EngineElsewhere(local=True)]) == "shared_memory"
+    assert auto([_EngineElsewhere(local=True), _EngineElsewhere(local=False)]) == "object_store"
