@@ -144,39 +144,43 @@ class _HandOff:
 
 
 class HandOffTransport:
-    """``in_process`` and ``object_store``: the engine's own ``update_weights`` on a background
+    """``in_process`` and ``object_store``: each engine's own ``update_weights`` on a background
     thread of this process, fed bucket by bucket. Tensors are handed over as they are (no copy);
-    the engine copies them in."""
+    every engine copies them in, and the next bucket follows once all have taken this one."""
 
     def __init__(self, *, timeout_s: float = DEFAULT_TIMEOUT_S, name: str = "in_process"):
         self.name = name
         self.timeout_s = timeout_s
-        self._handoff: Optional[_HandOff] = None
+        self._handoffs: list[_HandOff] = []
         self._watch: Optional[Watch] = None
 
     def open(self, engines: Sequence, version: int) -> None:
-        if len(engines) != 1:
-            raise ValueError(f"the {self.name} transport feeds one engine, got {len(engines)}")
-        self._handoff = _HandOff()
-        self._watch = Watch([in_thread(engines[0].update_weights, self._handoff, version)], self.timeout_s)
+        self._handoffs = [_HandOff() for _ in engines]
+        self._watch = Watch([in_thread(engine.update_weights, handoff, version)
+                             for engine, handoff in zip(engines, self._handoffs)], self.timeout_s)
 
     def send(self, bucket: NamedTensors) -> None:
-        self._watch.until(self._handoff.idle, "the engine to take the previous bucket")
-        self._handoff.put(bucket)
+        self._watch.until(self._idle, "the engines to take the previous bucket")
+        for handoff in self._handoffs:
+            handoff.put(bucket)
 
     def finish(self) -> None:
-        self._watch.until(self._handoff.idle, "the engine to take the last bucket")
-        self._handoff.close("end")
+        self._watch.until(self._idle, "the engines to take the last bucket")
+        for handoff in self._handoffs:
+            handoff.close("end")
         self._watch.finish()
 
     def abort(self, reason: str) -> None:
-        if self._handoff is not None:
-            self._handoff.close(reason)
+        for handoff in self._handoffs:
+            handoff.close(reason)
         if self._watch is not None:
             self._watch.settle()
 
     def close(self) -> None:
-        self._handoff = self._watch = None
+        self._handoffs, self._watch = [], None
+
+    def _idle(self) -> bool:
+        return all(handoff.idle() for handoff in self._handoffs)
 
 
 def _hand_off(name: str) -> Callable[..., Transport]:

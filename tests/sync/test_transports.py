@@ -135,3 +135,13 @@ def test_auto_picks_by_where_the_engine_runs(start_dir):
     assert auto([RecordingEngine(start_dir)]) == "in_process"
     assert auto([_EngineElsewhere(local=True), _EngineElsewhere(local=True)]) == "shared_memory"
     assert auto([_EngineElsewhere(local=True), _EngineElsewhere(local=False)]) == "object_store"
+
+
+@pytest.mark.parametrize("name", IN_THIS_PROCESS)
+def test_one_update_feeds_several_engines(start_dir, target_dir, name):
+    engines = [RecordingEngine(start_dir), RecordingEngine(start_dir)]
+    stream_update(make_transport(name, engines, bucket_bytes=BUCKET_BYTES, timeout_s=20), engines,
+                  buckets_of(target_dir), version=1)
+    for engine in engines:
+        require_version(engine, 1)
+        assert_serves(engine.inner.model.state_dict(), target_dir)
