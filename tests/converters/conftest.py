@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bridge"))  # hf_models: the bridge tests' tiny models
 
-from checkpoints import CASES, save_checkpoint  # noqa: E402
+from converter_checkpoints import CASES, save_checkpoint  # noqa: E402
 from hf_models import save_tiny_model  # noqa: E402
 
 
@@ -31,7 +31,7 @@ def hf_models(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def checkpoints(hf_models, tmp_path_factory):
-    """{case: (checkpoint root, live export)} for every entry of ``checkpoints.CASES``."""
+    """{case: (checkpoint root, live export)} for every entry of ``converter_checkpoints.CASES``."""
     return {
         name: save_checkpoint(hf_models[arch], tmp_path_factory.mktemp(f"ckpt-{name}"), layout)
         for name, (arch, layout) in CASES.items()

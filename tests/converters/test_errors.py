@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from checkpoints import ITERATION
+from converter_checkpoints import ITERATION
 from converters import ConversionError
 from converters import hf_to_mcore, mcore_to_hf
 from converters.safetensors_writer import ShardedSafetensorsWriter

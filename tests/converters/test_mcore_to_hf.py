@@ -10,7 +10,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from checkpoints import CASES, ITERATION
+from converter_checkpoints import CASES, ITERATION
 from converters.mcore_to_hf import convert
 from converters.megatron_checkpoint import MegatronCheckpoint, resolve_checkpoint_dir
 from converters.safetensors_writer import INDEX_FILE
