@@ -83,6 +83,7 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, float]:
         """One RL step; its metrics."""
         config, metrics = self.config, {}
+        started = time.perf_counter()
         with self._timed(metrics, "gen"), self._rollout_phase():
             rollouts = generate_rollouts(self, step)
         batch = rollouts.batch
@@ -115,7 +116,8 @@ class Trainer:
             metrics.update(self._sync(version=step))
         metrics.update(rollouts.metrics)
         metrics["actor/rollout_entropy"] = float(torch.cat(entropy).mean())
-        metrics["perf/throughput"] = sum(batch.lengths) / max(sum(v for k, v in metrics.items() if k.startswith("timing_s/")), 1e-9)
+        metrics["timing_s/step"] = time.perf_counter() - started
+        metrics["perf/throughput"] = sum(batch.lengths) / metrics["timing_s/step"]
         return metrics
 
     # ---- phases ---------------------------------------------------------------------------
@@ -169,7 +171,9 @@ class Trainer:
         """Supervised steps on the training prompts' ground-truth answers (a tiny model's start)."""
         from rlmega.data import StatefulSampler
 
-        sampler = StatefulSampler(len(self.dataset), self.config.trainer.prompts_per_step, seed=self.config.trainer.seed + 1)
+        # As many sequences per step as an RL step trains on.
+        per_step = min(self.config.trainer.prompts_per_step * self.config.rollout.n, len(self.dataset))
+        sampler = StatefulSampler(len(self.dataset), per_step, seed=self.config.trainer.seed + 1)
         for step in range(1, self.config.trainer.sft_steps + 1):
             records = self.dataset.batch(sampler.next_batch())
             tokens, prompts = [], []

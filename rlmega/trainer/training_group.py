@@ -110,7 +110,7 @@ class RankProcess:
         paths = {}
         for name in sorted(self.workers, key=lambda role: role == "actor"):
             if name != "ref" or self.reference_warm_started:
-                paths[name] = str(self.workers[name].save_checkpoint(Path(root) / name, extra))
+                paths[name] = str(self.workers[name].save_checkpoint(Path(root) / name, extra, step=extra["step"]))
         return paths if self.rank == 0 else None
 
     def load(self, root: str, step: int) -> Optional[dict]:

@@ -232,11 +232,12 @@ class MegatronWorker:
 
     # ---- checkpoints and export -----------------------------------------------------------
 
-    def save_checkpoint(self, root: str | Path, extra: Optional[dict] = None) -> Path:
-        """Save model, optimizer, LR schedule, RNG and ``extra`` as ``root/iter_{step}`` (atomic)."""
+    def save_checkpoint(self, root: str | Path, extra: Optional[dict] = None, step: Optional[int] = None) -> Path:
+        """Save model, optimizer, LR schedule, RNG and ``extra`` as ``root/iter_{step}`` (atomic);
+        ``step`` defaults to this worker's optimizer steps (a reference, which never steps, needs it)."""
         with self._on_device():
             return checkpoint.save_checkpoint(
-                root, self.step, self.chunks, self.optimizer, self.scheduler,
+                root, self.step if step is None else step, self.chunks, self.optimizer, self.scheduler,
                 layout_description=self.layout.describe(), extra={**(extra or {}), "skipped_steps": self.skipped_steps},
             )
 

@@ -1,0 +1,138 @@
+"""End-to-end trainer runs on the tiny CPU config: each algorithm and both placements run, a dead
+engine stops the run with its name, a failing reward function does not, and a run killed with
+SIGKILL resumes to exactly the metrics of an uninterrupted one."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlmega.config import load_config
+from rlmega.trainer.assets import prepare_tiny_assets
+
+TINY = ["trainer.prompts_per_step=4", "rollout.n=4", "trainer.sft_steps=2", "trainer.val_every=0",
+        "trainer.save_every=1", "export_hf=false", "rollout.post_sync_check=true", "reward.num_workers=1"]
+DETERMINISTIC = {"timing_s/", "perf/", "sync/gbps", "actor/perf", "critic/perf"}
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("assets")
+    prepare_tiny_assets(directory, num_train=64, num_val=16)
+    return directory
+
+
+def _prepare(run_dir: Path, assets: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not (run_dir / "assets").exists():
+        (run_dir / "assets").symlink_to(assets)
+
+
+def _train(run_dir, assets, *overrides, timeout_s=300):
+    _prepare(run_dir, assets)
+    command = [sys.executable, "-m", "rlmega.cli.main", "train", f"run_dir={run_dir}", *TINY, *overrides]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+
+
+def _rows(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if not any(key.startswith("val/") for key in row)]
+
+
+def _comparable(row):
+    return {key: value for key, value in row.items() if not any(key.startswith(prefix) for prefix in DETERMINISTIC)}
+
+
+@pytest.mark.parametrize("overrides", [
+    ["algo=grpo", "rollout.placement=colocated", "trainer.total_steps=2"],
+    ["algo=dapo", "rollout.placement=disaggregated", "rollout.num_engines=2", "trainer.total_steps=2"],
+    ["algo=ppo", "rollout.placement=disaggregated", "trainer.total_steps=2"],
+    ["algo=reinforce_plus_plus", "trainer.total_steps=1", "layout.tp=1"],
+    ["algo=rloo", "trainer.total_steps=1", "layout.tp=1", "layout.world_size=1"],
+], ids=["grpo-colocated", "dapo-disaggregated-2-engines", "ppo-critic", "reinforce++", "rloo"])
+def test_algorithms_and_placements_run(tmp_path, assets, overrides):
+    result = _train(tmp_path / "run", assets, *overrides)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = _rows(tmp_path / "run")
+    steps = int(next(o for o in overrides if o.startswith("trainer.total_steps")).split("=")[1])
+    assert [row["step"] for row in rows] == list(range(1, steps + 1))
+    for row in rows:
+        assert "actor/pg_loss" in row and "critic/score/mean" in row and "timing_s/gen" in row
+        assert row["sync/max_logprob_diff"] < 1e-3  # the engines serve the trained weights
+    if "algo=ppo" in overrides:
+        assert "critic/vf_loss" in rows[-1]
+    placement = json.loads((tmp_path / "run" / "placement.json").read_text())
+    assert len(placement["engines"]) == (2 if "rollout.num_engines=2" in overrides else 1)
+    assert (tmp_path / "run" / "checkpoints" / "actor" / "latest_checkpointed_iteration.txt").read_text() == str(steps)
+
+
+def test_killed_run_resumes_to_the_same_metrics(tmp_path, assets):
+    steps = ["trainer.total_steps=4", "layout.tp=1", "layout.world_size=1"]
+    reference = _train(tmp_path / "straight", assets, *steps)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    run_dir = tmp_path / "killed"
+    _prepare(run_dir, assets)
+    command = [sys.executable, "-m", "rlmega.cli.main", "train", f"run_dir={run_dir}", *TINY, *steps]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    tracker = run_dir / "checkpoints" / "actor" / "latest_checkpointed_iteration.txt"
+    deadline = time.monotonic() + 240
+    while not (tracker.exists() and tracker.read_text() == "2") and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)  # the driver and the Ray processes it started
+    process.wait(timeout=30)
+    assert tracker.read_text() == "2", "the run did not reach its second checkpoint"
+    resumed = _train(run_dir, assets, *steps)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    expected, got = _rows(tmp_path / "straight"), _rows(run_dir)
+    assert [row["step"] for row in got] == [1, 2, 3, 4]
+    for want, have in zip(expected, got):
+        assert _comparable(have) == pytest.approx(_comparable(want), rel=1e-5, abs=1e-6), have["step"]
+
+
+def test_dead_engine_stops_the_run_naming_it(tmp_path, assets):
+    import ray
+
+    from rlmega.trainer.controller import Trainer
+    from rlmega.trainer.remote import WorkerFailure
+
+    _prepare(tmp_path, assets)
+    config = load_config("tiny_cpu", [f"run_dir={tmp_path}", *TINY, "layout.tp=1", "layout.world_size=1",
+                                      "rollout.placement=disaggregated", "cluster.timeout_s=60"])
+    trainer = Trainer(config)
+    from rlmega.trainer.cluster import start_workers
+
+    try:
+        trainer.training, trainer.rollout, _ = start_workers(config)
+        ray.kill(trainer.rollout.actors[0])
+        started = time.monotonic()
+        with pytest.raises(WorkerFailure, match="rollout engine 0"):
+            trainer.train_step(1)
+        assert time.monotonic() - started < 60
+    finally:
+        trainer.close()
+        ray.shutdown()
+
+
+def test_reward_function_that_raises_or_hangs_does_not_stop_training(tmp_path, assets):
+    function = tmp_path / "reward.py"
+    function.write_text(
+        "import time\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    if solution_str.startswith('1'):\n"
+        "        time.sleep(3600)\n"
+        "    if len(solution_str) % 2:\n"
+        "        raise ValueError('bad answer')\n"
+        "    return float(solution_str.strip() == str(ground_truth))\n"
+    )
+    result = _train(tmp_path / "run", assets, "trainer.total_steps=2", "layout.tp=1", "layout.world_size=1",
+                    f"reward.user_function={function}:compute_score", "reward.timeout_s=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = _rows(tmp_path / "run")
+    assert len(rows) == 2
+    assert sum(row.get("reward/errors", 0) for row in rows) > 0
