@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from hf_models import save_tiny_model
 from rlmega.models import model_spec_from_hf
 from rlmega.parallel.layout import ParallelLayout, destroy, initialize
 from rlmega.testing.multirank import run_on_ranks
@@ -22,15 +21,6 @@ def _logprobs_body(rank, world_size, layout, hf_dir, packing, budget):
     result = worker.compute_logprobs(make_batch())
     destroy()
     return result
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    paths = {}
-    for name in ("llama", "qwen3-moe"):
-        paths[name] = tmp_path_factory.mktemp(name)
-        save_tiny_model(name, paths[name])
-    return paths
 
 
 CASES = {

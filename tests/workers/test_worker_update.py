@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from hf_models import save_tiny_model
 from rlmega.models import model_spec_from_hf
 from rlmega.parallel.layout import ParallelLayout, destroy, initialize
 from rlmega.testing.multirank import run_on_ranks
@@ -59,15 +58,6 @@ def _update_body(rank, world_size, layout, hf_dir, config, poison):
     weights = {name: tensor.clone() for name, tensor in worker.export_hf_weights(destinations=[0])}
     destroy()
     return metrics, weights
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    paths = {}
-    for name in ("llama", "qwen3-moe"):
-        paths[name] = tmp_path_factory.mktemp(name)
-        save_tiny_model(name, paths[name])
-    return paths
 
 
 def _run(checkpoints, model, layout_args, config=None, poison=False):
