@@ -1,13 +1,16 @@
 """What the vLLM and SGLang adapters share: request checks, per-sample seeds, the checkpoint's weight
-names, and the version / sleep bookkeeping that makes an engine refuse to generate from mixed weights.
+names, the version / sleep bookkeeping that makes an engine refuse to generate from mixed weights, and
+``EngineAdapter``, the protocol's logic around a handful of engine calls.
 
-Nothing here imports vLLM or SGLang; the adapters keep every engine call in their own module.
+Nothing here imports vLLM or SGLang; the adapters keep every engine call in their own module. ``HFEngine``
+uses the request checks and the bookkeeping too, so all three engines follow the same rules and messages.
 """
 
 from __future__ import annotations
 
 import difflib
 import json
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +18,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from rlmega.rollout.protocol import EngineNotReadyError, FinishReason, SamplingParams, UnknownWeightError
+from rlmega.rollout.protocol import EngineNotReadyError, FinishReason, Generation, SamplingParams, UnknownWeightError
 from rlmega.rollout.sampling import request_generator
+from rlmega.rollout.weight_group import DEFAULT_GROUP_NAME, WeightMeta
 
 DEFAULT_BUCKET_BYTES = 256 * 1024**2
 
@@ -78,8 +82,9 @@ def _read_json(path: Path) -> dict:
 
 
 def check_requests(prompts: list[list[int]], params: SamplingParams | Sequence[SamplingParams],
-                   facts: ModelFacts) -> list[SamplingParams]:
-    """One ``SamplingParams`` per prompt, after the checks ``HFEngine`` makes (same messages)."""
+                   vocab_size: int, max_positions: int | None) -> list[SamplingParams]:
+    """One ``SamplingParams`` per prompt, after checking the prompts against the model (every engine's
+    checks and messages)."""
     if isinstance(params, SamplingParams):
         per_prompt = [params] * len(prompts)
     else:
@@ -89,17 +94,18 @@ def check_requests(prompts: list[list[int]], params: SamplingParams | Sequence[S
         for p in per_prompt:
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"params must be SamplingParams, got {type(p).__name__}")
-    for index, (prompt, p) in enumerate(zip(prompts, per_prompt)):
+    for index, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise ValueError(f"prompt {index} is empty")
-        if min(prompt) < 0 or max(prompt) >= facts.vocab_size:
-            raise ValueError(f"prompt {index} has token ids outside [0, {facts.vocab_size})")
-        if any(token >= facts.vocab_size for token in p.stop_token_ids):
+        if min(prompt) < 0 or max(prompt) >= vocab_size:
+            raise ValueError(f"prompt {index} has token ids outside [0, {vocab_size})")
+    for index, (prompt, p) in enumerate(zip(prompts, per_prompt)):
+        if any(token >= vocab_size for token in p.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids {p.stop_token_ids} has ids >= the "
-                             f"vocabulary size {facts.vocab_size}")
-        if facts.max_positions is not None and len(prompt) + p.max_new_tokens > facts.max_positions:
+                             f"vocabulary size {vocab_size}")
+        if max_positions is not None and len(prompt) + p.max_new_tokens > max_positions:
             raise ValueError(f"prompt {index} ({len(prompt)} tokens) + max_new_tokens {p.max_new_tokens} "
-                             f"exceeds the model's max_position_embeddings {facts.max_positions}")
+                             f"exceeds the model's max_position_embeddings {max_positions}")
     return per_prompt
 
 
@@ -204,11 +210,10 @@ def checked_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], weights: 
 
 
 class WeightBook:
-    """Versions, torn updates and sleep levels of an engine whose weights live elsewhere.
+    """Versions, torn updates and sleep levels of an engine's weights (``HFEngine`` and the adapters).
 
-    Same rules as ``HFEngine``: a version commits only when its whole stream arrived; from the first
-    tensor sent until then the weights are mixed and ``generate`` refuses; after ``sleep(level=2)``
-    every on-disk name must be re-sent.
+    A version commits only when its whole stream arrived; from the first tensor sent until then the
+    weights are mixed and ``generate`` refuses; after ``sleep(level=2)`` every on-disk name must be re-sent.
     """
 
     def __init__(self, names: Iterable[str]):
@@ -264,4 +269,179 @@ class WeightBook:
             "sleep_level": self.sleep_level,
             "missing_weights": len(self.missing),
             "torn_update_version": self.torn_version,
+        }
+
+
+# ---------------------------------------------------------------------------------------------- adapters
+
+def adapter_settings(adapter: str, user_kwargs: dict, settings: dict) -> dict:
+    """The engine's arguments: the caller's, plus the adapter's own ``settings``, which may not be changed."""
+    clashes = {key for key, value in settings.items() if key in user_kwargs and user_kwargs[key] != value}
+    if clashes:
+        raise ValueError(f"{adapter} sets {sorted(clashes)} itself ({ {k: settings[k] for k in sorted(clashes)} })")
+    return {**user_kwargs, **settings}
+
+
+class EngineAdapter(ABC):
+    """``RolloutEngine`` over an external engine that loads the checkpoint format: everything but the
+    engine calls, which a subclass supplies as the abstract ``_engine_*`` methods (each a call into its
+    module's version-gated API section).
+
+    ``model`` is a local Hugging Face checkpoint directory (safetensors): its headers give the weight names
+    and shapes that ``update_weights`` checks before anything reaches the engine. Responses are sent one
+    engine request each (see ``sample_requests``); buckets of about ``bucket_bytes`` are sent with one
+    engine call each. ``sleep`` frees the weights and the KV cache; writing weights wakes the weights alone
+    (memory must be mapped to be written), and ``wake()`` brings back the rest, weights before KV cache.
+    """
+
+    engine_name: str  # health()["engine"]
+
+    def __init__(self, model: str | Path, *, bucket_bytes: int, engine_version: str):
+        self.model_path = Path(model)
+        self.facts = ModelFacts.from_checkpoint(self.model_path)
+        self.weights = CheckpointWeights.from_checkpoint(self.model_path, self.facts)
+        self.bucket_bytes = bucket_bytes
+        self._engine_version = engine_version
+        self._book = WeightBook(self.weights.shapes)
+        self._asleep_tags: set[str] = set()  # of "weights", "kv_cache"
+        self._group_name = DEFAULT_GROUP_NAME
+
+    # ------------------------------------------------------------------ engine calls
+
+    @abstractmethod
+    def _engine_generate(self, prompts: list[list[int]], params: list[SamplingParams],
+                         seeds: list[int | None]) -> list[tuple[list[int], list[float]]]:
+        """One request per prompt, with its params and seed: ``(tokens, log-probs)`` of each, in order."""
+
+    @abstractmethod
+    def _engine_load(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """Load a checked bucket of on-disk named tensors into every worker."""
+
+    @abstractmethod
+    def _engine_join_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                           group_name: str, backend: str) -> None:
+        """Join every worker to the weight-update group (worker ``w`` as rank ``rank_offset + w``)."""
+
+    @abstractmethod
+    def _engine_receive(self, metas: list[WeightMeta], group_name: str) -> None:
+        """Receive and load the broadcast bucket that ``metas`` describe (not empty)."""
+
+    @abstractmethod
+    def _engine_leave_group(self, group_name: str) -> None:
+        """Destroy the weight-update group on every worker."""
+
+    @abstractmethod
+    def _engine_drop_prefix_cache(self) -> None:
+        """Drop cached KV: it was computed with the old weights."""
+
+    @abstractmethod
+    def _engine_sleep(self, level: int) -> None:
+        """Free the weights and the KV cache (the weights kept in host memory when ``level`` is 1)."""
+
+    @abstractmethod
+    def _engine_wake(self, tags: list[str]) -> None:
+        """Bring back ``tags`` (of "weights", "kv_cache"), in that order."""
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | Sequence[SamplingParams]) -> list[Generation]:
+        """See ``RolloutEngine.generate``. One engine request per response (see ``sample_requests``)."""
+        self._book.check_ready()
+        per_prompt = check_requests(prompts, params, self.facts.vocab_size, self.facts.max_positions)
+        requests = sample_requests(per_prompt)
+        if not requests:
+            return []
+        responses = self._engine_generate([prompts[i] for i, _ in requests], [per_prompt[i] for i, _ in requests],
+                                          [sample_seed(per_prompt[i].seed, i, j) for i, j in requests])
+        generations = []
+        for (i, _), (tokens, logprobs) in zip(requests, responses):
+            p = per_prompt[i]
+            tokens, logprobs, reason = finish_response(tokens, logprobs, p.stop_token_ids, p.max_new_tokens)
+            generations.append(Generation(prompt_index=i, response_token_ids=tokens, logprobs=logprobs,
+                                          finish_reason=reason, weight_version=self._book.version))
+        return generations
+
+    # ------------------------------------------------------------------ weights, colocated
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """See ``RolloutEngine.update_weights``: checked, bucketed, loaded by every worker."""
+        self.begin_update(version)
+        self.write_weights(named_tensors)
+        self.commit_update()
+
+    def begin_update(self, version: int) -> None:
+        self._book.begin(version)
+
+    def write_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for bucket, slots in checked_buckets(named_tensors, self.weights, self.bucket_bytes):
+            self._wake_weights()
+            self._book.sending()
+            self._engine_load(bucket)
+            self._book.sent(slots)
+
+    def commit_update(self) -> None:
+        self._book.commit()
+        if "kv_cache" not in self._asleep_tags:
+            self._engine_drop_prefix_cache()
+
+    # ------------------------------------------------------------------ weights, disaggregated
+
+    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                 group_name: str = DEFAULT_GROUP_NAME, backend: str = "nccl") -> None:
+        """Join every worker to the trainer's weight group (worker ``w`` as rank ``rank_offset + w``).
+        Collective: the trainer rank calls ``weight_group.init_weight_update_group(..., rank=0)`` meanwhile."""
+        self._engine_join_group(master_address, master_port, rank_offset, world_size, group_name, backend)
+        self._group_name = group_name
+
+    def destroy_weight_update_group(self) -> None:
+        self._engine_leave_group(self._group_name)
+
+    def receive_weights(self, metas: Sequence[WeightMeta]) -> None:
+        """Receive one bucket that the trainer rank broadcasts (``weight_group.broadcast_weights``), between
+        ``begin_update`` and ``commit_update``. ``metas`` are ``weight_group.weight_meta(bucket)``."""
+        metas = [(name, dtype, tuple(shape)) for name, dtype, shape in metas]
+        slots = {self.weights.check(name, torch.empty(shape, device="meta")) for name, _, shape in metas}
+        if not metas:
+            return
+        self._wake_weights()
+        self._book.sending()
+        self._engine_receive(metas, self._group_name)
+        self._book.sent(slots)
+
+    def weight_version(self) -> int:
+        return self._book.version
+
+    # ------------------------------------------------------------------ memory
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the weights and the KV cache. Level 2 requires every weight to be re-sent. Deeper while
+        asleep only deepens the bookkeeping (the engines cannot re-sleep)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if not self._asleep_tags and self._book.sleep_level == 0:
+            self._engine_sleep(level)
+            self._asleep_tags = {"weights", "kv_cache"}
+        self._book.slept(level)
+
+    def wake(self) -> None:
+        """Bring back whatever is still asleep, weights first."""
+        if self._asleep_tags:
+            self._engine_wake(sorted(self._asleep_tags, key=["weights", "kv_cache"].index))
+            self._asleep_tags.clear()
+        self._book.sleep_level = 0
+
+    def _wake_weights(self) -> None:
+        """Weights cannot be written while their memory is unmapped; the KV cache may stay asleep."""
+        if "weights" in self._asleep_tags:
+            self._engine_wake(["weights"])
+            self._asleep_tags.discard("weights")
+
+    def health(self) -> dict:
+        return {
+            **self._book.health(),
+            "asleep": sorted(self._asleep_tags),
+            "engine": self.engine_name,
+            "engine_version": self._engine_version,
+            "model_type": self.weights.model_type,
         }

@@ -15,8 +15,9 @@ from collections.abc import Iterable, Sequence
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
+from rlmega.rollout.engine_common import WeightBook, check_requests
 from rlmega.rollout.hf_weights import HFWeightMap, WeightTarget
-from rlmega.rollout.protocol import EngineNotReadyError, Generation, SamplingParams
+from rlmega.rollout.protocol import Generation, SamplingParams
 from rlmega.rollout.sampling import RowSampling, request_generator, select_next_tokens
 
 PAD_TOKEN_ID = 0  # left padding is masked out, so any in-vocabulary id works
@@ -57,12 +58,10 @@ class HFEngine:
         # transformers renamed the forward's cache argument from past_key_values to cache during 5.x.
         forward_args = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
-        self._version = 0
-        self._sleep_level = 0  # 0 awake; 1 weights on host; 2 weights dropped
+        # Versions, torn updates, sleep level (0 awake; 1 weights on host; 2 weights dropped) and the
+        # on-disk names not re-sent since sleep(level=2).
+        self._book = WeightBook(self._weights.slots)
         self._dropped: set[str] = set()  # tensors whose storage sleep(level=2) freed
-        self._missing_slots: set[str] = set()  # on-disk names not re-sent since sleep(level=2)
-        self._torn_update_version: int | None = None  # an update that wrote but did not commit
-        self._pending_version: int | None = None  # the update in progress, between begin and commit
 
     # ------------------------------------------------------------------ generation
 
@@ -70,8 +69,8 @@ class HFEngine:
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | Sequence[SamplingParams]) -> list[Generation]:
         """See ``RolloutEngine.generate``. All responses are decoded together, one token per step."""
-        self._check_ready()
-        per_prompt = self._check_request(prompts, params)
+        self._book.check_ready()
+        per_prompt = check_requests(prompts, params, self.vocab_size, self.max_positions)
         requests = [(i, j) for i, p in enumerate(per_prompt) for j in range(p.n)]
         if not requests:
             return []
@@ -106,47 +105,8 @@ class HFEngine:
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(requests), 1))], dim=-1)
             position_ids = position_ids[:, -1:] + 1
         return [Generation(prompt_index=i, response_token_ids=responses[row], logprobs=logprobs[row],
-                           finish_reason=finish[row], weight_version=self._version)
+                           finish_reason=finish[row], weight_version=self._book.version)
                 for row, (i, _) in enumerate(requests)]
-
-    def _check_request(self, prompts: list[list[int]],
-                       params: SamplingParams | Sequence[SamplingParams]) -> list[SamplingParams]:
-        if isinstance(params, SamplingParams):
-            per_prompt = [params] * len(prompts)
-        else:
-            per_prompt = list(params)
-            if len(per_prompt) != len(prompts):
-                raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
-            for p in per_prompt:
-                if not isinstance(p, SamplingParams):
-                    raise TypeError(f"params must be SamplingParams, got {type(p).__name__}")
-        for index, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise ValueError(f"prompt {index} is empty")
-            if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-                raise ValueError(f"prompt {index} has token ids outside [0, {self.vocab_size})")
-        for index, (prompt, p) in enumerate(zip(prompts, per_prompt)):
-            if any(token >= self.vocab_size for token in p.stop_token_ids):
-                raise ValueError(f"SamplingParams.stop_token_ids {p.stop_token_ids} has ids >= the "
-                                 f"vocabulary size {self.vocab_size}")
-            if self.max_positions is not None and len(prompt) + p.max_new_tokens > self.max_positions:
-                raise ValueError(f"prompt {index} ({len(prompt)} tokens) + max_new_tokens {p.max_new_tokens} "
-                                 f"exceeds the model's max_position_embeddings {self.max_positions}")
-        return per_prompt
-
-    def _check_ready(self) -> None:
-        if self._sleep_level:
-            resync = " and re-sync every weight with update_weights" if self._sleep_level == 2 else ""
-            raise EngineNotReadyError(f"engine is asleep (level {self._sleep_level}): call wake(){resync} first")
-        if self._missing_slots:
-            examples = ", ".join(sorted(self._missing_slots)[:3])
-            raise EngineNotReadyError(
-                f"{len(self._missing_slots)} weights dropped by sleep(level=2) have not been re-synced "
-                f"(e.g. {examples}); send them with update_weights")
-        if self._torn_update_version is not None:
-            raise EngineNotReadyError(
-                f"the update to weight version {self._torn_update_version} failed part way, leaving mixed "
-                f"weights; complete an update_weights before generating")
 
     # ------------------------------------------------------------------ weights
 
@@ -160,25 +120,21 @@ class HFEngine:
     # The three steps of an update, callable one by one so a remote trainer can stream buckets.
 
     def begin_update(self, version: int) -> None:
-        if isinstance(version, bool) or not isinstance(version, int) or version < self._version:
-            raise ValueError(f"version must be an int >= the current weight version {self._version}, got {version!r}")
-        self._pending_version = version
+        self._book.begin(version)
 
     def write_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if self._pending_version is None:
+        if self._book.pending is None:
             raise RuntimeError("write_weights called outside an update; call begin_update(version) first")
         for name, tensor in named_tensors:
             target = self._weights.resolve(name)
             if tuple(tensor.shape) != target.shape:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {target.shape}")
             # From the first write until commit the weights are mixed: generate refuses.
-            self._torn_update_version = self._pending_version
+            self._book.sending()
             self._write(target, tensor)
 
     def commit_update(self) -> None:
-        if self._pending_version is None:
-            raise RuntimeError("commit_update called outside an update; call begin_update(version) first")
-        self._version, self._pending_version, self._torn_update_version = self._pending_version, None, None
+        self._book.commit()
 
     @torch.no_grad()
     def _write(self, target: WeightTarget, tensor: torch.Tensor) -> None:
@@ -188,10 +144,10 @@ class HFEngine:
                                       device=weight.device)
             self._dropped.discard(target.tensor_name)
         weight.data[target.index].copy_(tensor)
-        self._missing_slots.difference_update(target.slots)
+        self._book.sent(target.slots)
 
     def weight_version(self) -> int:
-        return self._version
+        return self._book.version
 
     # ------------------------------------------------------------------ memory
 
@@ -202,15 +158,14 @@ class HFEngine:
         buffers (rotary frequencies) are kept. Sleeping deeper is allowed; shallower is a no-op."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
-        if level == 1 and self._sleep_level == 0:
+        if level == 1 and self._book.sleep_level == 0:
             for weight in self._weights.tensors.values():
                 weight.data = weight.data.to("cpu")
-        if level == 2 and self._sleep_level < 2:
+        if level == 2 and self._book.sleep_level < 2:
             for weight in self._weights.tensors.values():
                 weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
             self._dropped = set(self._weights.tensors)
-            self._missing_slots = set(self._weights.slots)
-        self._sleep_level = max(self._sleep_level, level)
+        self._book.slept(level)
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -220,16 +175,11 @@ class HFEngine:
         and ``generate`` refuses until they are re-sent."""
         for weight in self._weights.tensors.values():
             weight.data = weight.data.to(self.device)
-        self._sleep_level = 0
+        self._book.sleep_level = 0
 
     def health(self) -> dict:
-        ready = not (self._sleep_level or self._missing_slots or self._torn_update_version is not None)
         return {
-            "ready": ready,
-            "weight_version": self._version,
-            "sleep_level": self._sleep_level,
-            "missing_weights": len(self._missing_slots),
-            "torn_update_version": self._torn_update_version,
+            **self._book.health(),
             "resident_weight_bytes": sum(t.numel() * t.element_size() for t in self._weights.tensors.values()),
             "model_type": self._weights.model_type,
             "device": str(self.device),

@@ -16,25 +16,12 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 import torch
 
-from rlmega.rollout.engine_common import (
-    DEFAULT_BUCKET_BYTES,
-    CheckpointWeights,
-    ModelFacts,
-    WeightBook,
-    check_requests,
-    check_version,
-    checked_buckets,
-    finish_response,
-    sample_requests,
-    sample_seed,
-)
-from rlmega.rollout.protocol import Generation, SamplingParams
-from rlmega.rollout.weight_group import DEFAULT_GROUP_NAME, WeightMeta
+from rlmega.rollout.engine_common import DEFAULT_BUCKET_BYTES, EngineAdapter, adapter_settings, check_version
+from rlmega.rollout.protocol import SamplingParams
+from rlmega.rollout.weight_group import WeightMeta
 
 SUPPORTED_VERSIONS = ((0, 5, 3), (0, 6))  # setup.py's `sglang` extra: sglang>=0.5.3,<0.6
 
@@ -83,7 +70,8 @@ def _sampling_params(params: SamplingParams, seed: int | None, ignore_eos: bool)
         "top_k": params.top_k or -1,  # -1 disables
         "max_new_tokens": params.max_new_tokens,
         "stop_token_ids": list(params.stop_token_ids),
-        # ignore_eos also disables stop_token_ids in 0.5.3 (Req.check_finished): see SGLangEngine.generate.
+        # ignore_eos also disables stop_token_ids in 0.5.3 (Req.check_finished): see
+        # SGLangEngine._engine_generate.
         "ignore_eos": ignore_eos,
         "no_stop_trim": True,  # keep the stop token
     }
@@ -150,8 +138,8 @@ def _resume(engine, tags: list[str]) -> None:
 # ---------------------------------------------------------------------------------------------- end of SGLang API
 
 
-class SGLangEngine:
-    """Implements ``RolloutEngine`` on ``sglang.Engine``.
+class SGLangEngine(EngineAdapter):
+    """Implements ``RolloutEngine`` on ``sglang.Engine`` (the shared logic is ``EngineAdapter``'s).
 
     ``model`` is a local Hugging Face checkpoint directory (safetensors): its headers give the weight
     names and shapes that ``update_weights`` checks before anything reaches SGLang (whose loader fails
@@ -162,138 +150,60 @@ class SGLangEngine:
     otherwise).
     """
 
+    engine_name = "sglang"
+
     def __init__(self, model: str | os.PathLike, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, **server_kwargs):
         self._sglang = _import_sglang()
-        settings = _engine_settings()
-        clashes = {key for key, value in settings.items() if key in server_kwargs and server_kwargs[key] != value}
-        if clashes:
-            raise ValueError(f"SGLangEngine sets {sorted(clashes)} itself ({ {k: settings[k] for k in sorted(clashes)} })")
-        self.model_path = Path(model)
-        self.facts = ModelFacts.from_checkpoint(self.model_path)
-        self.weights = CheckpointWeights.from_checkpoint(self.model_path, self.facts)
-        self.bucket_bytes = bucket_bytes
+        server_kwargs = adapter_settings("SGLangEngine", server_kwargs, _engine_settings())
+        super().__init__(model, bucket_bytes=bucket_bytes, engine_version=self._sglang.__version__)
         self.keeps_weights_asleep = bool(server_kwargs.get("enable_weights_cpu_backup", False))
-        self._book = WeightBook(self.weights.shapes)
-        self._released: set[str] = set()  # of "weights", "kv_cache"
-        self._group_name = DEFAULT_GROUP_NAME
-        self.engine = _new_engine(self._sglang, str(self.model_path), {**server_kwargs, **settings})
-
-    # ------------------------------------------------------------------ generation
-
-    def generate(self, prompts: list[list[int]],
-                 params: SamplingParams | Sequence[SamplingParams]) -> list[Generation]:
-        """See ``RolloutEngine.generate``.
-
-        SGLang always stops at the checkpoint's EOS ids unless ``ignore_eos``, which also disables
-        ``stop_token_ids``. A request whose stop ids cover every EOS id runs as is; any other runs with
-        ``ignore_eos`` to ``max_new_tokens`` and is cut after its first stop token here: exact, but it
-        decodes past the stop.
-        """
-        self._book.check_ready()
-        per_prompt = check_requests(prompts, params, self.facts)
-        requests = sample_requests(per_prompt)
-        if not requests:
-            return []
-        sampling = []
-        for i, j in requests:
-            p = per_prompt[i]
-            sampling.append(_sampling_params(p, sample_seed(p.seed, i, j),
-                                             ignore_eos=not self.facts.eos_token_ids <= set(p.stop_token_ids)))
-        responses = _generate(self.engine, [prompts[i] for i, _ in requests], sampling)
-        generations = []
-        for (i, _), (tokens, logprobs) in zip(requests, responses):
-            p = per_prompt[i]
-            tokens, logprobs, reason = finish_response(tokens, logprobs, p.stop_token_ids, p.max_new_tokens)
-            generations.append(Generation(prompt_index=i, response_token_ids=tokens, logprobs=logprobs,
-                                          finish_reason=reason, weight_version=self._book.version))
-        return generations
-
-    # ------------------------------------------------------------------ weights, colocated
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """See ``RolloutEngine.update_weights``."""
-        self.begin_update(version)
-        self.write_weights(named_tensors)
-        self.commit_update()
-
-    def begin_update(self, version: int) -> None:
-        self._book.begin(version)
-
-    def write_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        for bucket, slots in checked_buckets(named_tensors, self.weights, self.bucket_bytes):
-            self._resume_weights()
-            self._book.sending()
-            _update_from_tensor(self.engine, bucket)
-            self._book.sent(slots)
-
-    def commit_update(self) -> None:
-        self._book.commit()
-        if "kv_cache" not in self._released:
-            _flush_cache(self.engine)
-
-    # ------------------------------------------------------------------ weights, disaggregated
-
-    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                 group_name: str = DEFAULT_GROUP_NAME, backend: str = "nccl") -> None:
-        """SGLang's ``init_weights_update_group``: TP rank ``r`` joins as ``rank_offset + r``. Collective: the
-        trainer rank calls ``weight_group.init_weight_update_group(..., rank=0)`` meanwhile."""
-        _init_group(self.engine, master_address, master_port, rank_offset, world_size, group_name, backend)
-        self._group_name = group_name
-
-    def destroy_weight_update_group(self) -> None:
-        _destroy_group(self.engine, self._group_name)
-
-    def receive_weights(self, metas: Sequence[WeightMeta]) -> None:
-        """Receive one bucket that the trainer rank broadcasts (``weight_group.broadcast_weights``), between
-        ``begin_update`` and ``commit_update``. ``metas`` are ``weight_group.weight_meta(bucket)``."""
-        metas = [(name, dtype, tuple(shape)) for name, dtype, shape in metas]
-        slots = {self.weights.check(name, torch.empty(shape, device="meta")) for name, _, shape in metas}
-        if not metas:
-            return
-        self._resume_weights()
-        self._book.sending()
-        _update_from_distributed(self.engine, metas, self._group_name)
-        self._book.sent(slots)
-
-    def weight_version(self) -> int:
-        return self._book.version
-
-    # ------------------------------------------------------------------ memory
+        self.engine = _new_engine(self._sglang, str(self.model_path), server_kwargs)
 
     def sleep(self, level: int = 1) -> None:
-        """``release_memory_occupation`` of the weights and the KV cache. Level 1 needs the engine built
-        with ``enable_weights_cpu_backup=True`` (the weights come back on wake); level 2 requires a full
-        re-sync whatever the backup."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        """Level 1 needs the engine built with ``enable_weights_cpu_backup=True`` (the weights come back on
+        wake); level 2 requires a full re-sync whatever the backup."""
         if level == 1 and not self.keeps_weights_asleep and self._book.sleep_level < 2:
             raise ValueError("sleep(level=1) keeps the weights, which SGLang does only when the engine is built "
                              "with enable_weights_cpu_backup=True; use sleep(level=2) and re-sync instead")
-        if not self._released and self._book.sleep_level == 0:
-            _release(self.engine, ["kv_cache", "weights"])
-            self._released = {"weights", "kv_cache"}
-        self._book.slept(level)
-
-    def wake(self) -> None:
-        if self._released:
-            _resume(self.engine, sorted(self._released, key=["weights", "kv_cache"].index))
-            self._released.clear()
-        self._book.sleep_level = 0
-
-    def _resume_weights(self) -> None:
-        if "weights" in self._released:
-            _resume(self.engine, ["weights"])
-            self._released.discard("weights")
+        super().sleep(level)
 
     def shutdown(self) -> None:
         """Stop SGLang's scheduler and detokenizer processes."""
         self.engine.shutdown()
 
-    def health(self) -> dict:
-        return {
-            **self._book.health(),
-            "asleep": sorted(self._released),
-            "engine": "sglang",
-            "engine_version": self._sglang.__version__,
-            "model_type": self.weights.model_type,
-        }
+    # ------------------------------------------------------------------ engine calls: the SGLang 0.5.3 API above
+
+    def _engine_generate(self, prompts: list[list[int]], params: list[SamplingParams],
+                         seeds: list[int | None]) -> list[tuple[list[int], list[float]]]:
+        """SGLang always stops at the checkpoint's EOS ids unless ``ignore_eos``, which also disables
+        ``stop_token_ids``. A request whose stop ids cover every EOS id runs as is; any other runs with
+        ``ignore_eos`` to ``max_new_tokens`` and is cut after its first stop token by ``finish_response``:
+        exact, but it decodes past the stop.
+        """
+        sampling = [_sampling_params(p, seed, ignore_eos=not self.facts.eos_token_ids <= set(p.stop_token_ids))
+                    for p, seed in zip(params, seeds)]
+        return _generate(self.engine, prompts, sampling)
+
+    def _engine_load(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        _update_from_tensor(self.engine, bucket)
+
+    def _engine_join_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                           group_name: str, backend: str) -> None:
+        """SGLang's ``init_weights_update_group``: TP rank ``r`` joins as ``rank_offset + r``."""
+        _init_group(self.engine, master_address, master_port, rank_offset, world_size, group_name, backend)
+
+    def _engine_receive(self, metas: list[WeightMeta], group_name: str) -> None:
+        _update_from_distributed(self.engine, metas, group_name)
+
+    def _engine_leave_group(self, group_name: str) -> None:
+        _destroy_group(self.engine, group_name)
+
+    def _engine_drop_prefix_cache(self) -> None:
+        _flush_cache(self.engine)
+
+    def _engine_sleep(self, level: int) -> None:
+        """``release_memory_occupation`` of both; the weights survive only in the CPU backup, if enabled."""
+        _release(self.engine, ["kv_cache", "weights"])
+
+    def _engine_wake(self, tags: list[str]) -> None:
+        _resume(self.engine, tags)

@@ -16,25 +16,12 @@ Every call into vLLM is in the "vLLM 0.11 API" section below; README.md says wha
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 import torch
 
-from rlmega.rollout.engine_common import (
-    DEFAULT_BUCKET_BYTES,
-    CheckpointWeights,
-    ModelFacts,
-    WeightBook,
-    check_requests,
-    check_version,
-    checked_buckets,
-    finish_response,
-    sample_requests,
-    sample_seed,
-)
-from rlmega.rollout.protocol import Generation, SamplingParams
-from rlmega.rollout.weight_group import DEFAULT_GROUP_NAME, WeightMeta
+from rlmega.rollout.engine_common import DEFAULT_BUCKET_BYTES, EngineAdapter, adapter_settings, check_version
+from rlmega.rollout.protocol import SamplingParams
+from rlmega.rollout.weight_group import WeightMeta
 
 SUPPORTED_VERSIONS = ((0, 11), (0, 12))  # setup.py's `vllm` extra: vllm>=0.11,<0.12
 WORKER_EXTENSION = "rlmega.rollout.vllm_engine.VLLMWorkerExtension"
@@ -162,8 +149,8 @@ class VLLMWorkerExtension:
 # ---------------------------------------------------------------------------------------------- end of vLLM API
 
 
-class VLLMEngine:
-    """Implements ``RolloutEngine`` on ``vllm.LLM``.
+class VLLMEngine(EngineAdapter):
+    """Implements ``RolloutEngine`` on ``vllm.LLM`` (the shared logic is ``EngineAdapter``'s).
 
     ``model`` is a local Hugging Face checkpoint directory (safetensors): its headers give the weight
     names and shapes that ``update_weights`` checks before anything reaches vLLM. ``engine_kwargs`` go
@@ -172,124 +159,49 @@ class VLLMEngine:
     ``in_process=True`` runs vLLM's engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
     """
 
+    engine_name = "vllm"
+
     def __init__(self, model: str | os.PathLike, *, in_process: bool = True,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, **engine_kwargs):
         self._vllm = _import_vllm()
-        settings = _engine_settings()
-        clashes = {key for key, value in settings.items() if key in engine_kwargs and engine_kwargs[key] != value}
-        if clashes:
-            raise ValueError(f"VLLMEngine sets {sorted(clashes)} itself ({ {k: settings[k] for k in sorted(clashes)} })")
-        self.model_path = Path(model)
-        self.facts = ModelFacts.from_checkpoint(self.model_path)
-        self.weights = CheckpointWeights.from_checkpoint(self.model_path, self.facts)
-        self.bucket_bytes = bucket_bytes
-        self._book = WeightBook(self.weights.shapes)
-        self._asleep_tags: set[str] = set()  # of "weights", "kv_cache"
+        engine_kwargs = adapter_settings("VLLMEngine", engine_kwargs, _engine_settings())
+        super().__init__(model, bucket_bytes=bucket_bytes, engine_version=self._vllm.__version__)
         if in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when the LLM is built
-        self.llm = _new_llm(self._vllm, str(self.model_path), {**engine_kwargs, **settings})
+        self.llm = _new_llm(self._vllm, str(self.model_path), engine_kwargs)
 
-    # ------------------------------------------------------------------ generation
+    # ------------------------------------------------------------------ engine calls: the vLLM 0.11 API above
 
-    def generate(self, prompts: list[list[int]],
-                 params: SamplingParams | Sequence[SamplingParams]) -> list[Generation]:
-        """See ``RolloutEngine.generate``. One vLLM request per response (see ``sample_requests``)."""
-        self._book.check_ready()
-        per_prompt = check_requests(prompts, params, self.facts)
-        requests = sample_requests(per_prompt)
-        if not requests:
-            return []
-        sampling = [_vllm_sampling_params(self._vllm, per_prompt[i], sample_seed(per_prompt[i].seed, i, j))
-                    for i, j in requests]
-        responses = _vllm_generate(self.llm, [prompts[i] for i, _ in requests], sampling)
-        generations = []
-        for (i, _), (tokens, logprobs) in zip(requests, responses):
-            p = per_prompt[i]
-            tokens, logprobs, reason = finish_response(tokens, logprobs, p.stop_token_ids, p.max_new_tokens)
-            generations.append(Generation(prompt_index=i, response_token_ids=tokens, logprobs=logprobs,
-                                          finish_reason=reason, weight_version=self._book.version))
-        return generations
+    def _engine_generate(self, prompts: list[list[int]], params: list[SamplingParams],
+                         seeds: list[int | None]) -> list[tuple[list[int], list[float]]]:
+        return _vllm_generate(self.llm, prompts, [_vllm_sampling_params(self._vllm, p, seed)
+                                                  for p, seed in zip(params, seeds)])
 
-    # ------------------------------------------------------------------ weights, colocated
+    def _engine_load(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        _load_weights(self.llm, bucket)
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """See ``RolloutEngine.update_weights``: checked, bucketed, loaded by every worker."""
-        self.begin_update(version)
-        self.write_weights(named_tensors)
-        self.commit_update()
-
-    def begin_update(self, version: int) -> None:
-        self._book.begin(version)
-
-    def write_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        for bucket, slots in checked_buckets(named_tensors, self.weights, self.bucket_bytes):
-            self._wake_weights()
-            self._book.sending()
-            _load_weights(self.llm, bucket)
-            self._book.sent(slots)
-
-    def commit_update(self) -> None:
-        self._book.commit()
-        if "kv_cache" not in self._asleep_tags:
-            _drop_prefix_cache(self.llm)
-
-    # ------------------------------------------------------------------ weights, disaggregated
-
-    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                 group_name: str = DEFAULT_GROUP_NAME, backend: str = "nccl") -> None:
-        """Join every worker to the trainer's weight group (worker ``w`` as rank ``rank_offset + w``).
-        Collective: the trainer rank calls ``weight_group.init_weight_update_group(..., rank=0)`` meanwhile."""
+    def _engine_join_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                           group_name: str, backend: str) -> None:
         _init_group(self.llm, master_address, master_port, rank_offset, world_size, group_name, backend)
-        self._group_name = group_name
 
-    def destroy_weight_update_group(self) -> None:
-        _destroy_group(self.llm, self._group_name)
+    def _engine_receive(self, metas: list[WeightMeta], group_name: str) -> None:
+        _receive_weights(self.llm, metas, group_name)
 
-    def receive_weights(self, metas: Sequence[WeightMeta]) -> None:
-        """Receive one bucket that the trainer rank broadcasts (``weight_group.broadcast_weights``), between
-        ``begin_update`` and ``commit_update``. ``metas`` are ``weight_group.weight_meta(bucket)``."""
-        metas = [(name, dtype, tuple(shape)) for name, dtype, shape in metas]
-        slots = {self.weights.check(name, torch.empty(shape, device="meta")) for name, _, shape in metas}
-        self._wake_weights()
-        self._book.sending()
-        _receive_weights(self.llm, metas, self._group_name)
-        self._book.sent(slots)
+    def _engine_leave_group(self, group_name: str) -> None:
+        _destroy_group(self.llm, group_name)
 
-    def weight_version(self) -> int:
-        return self._book.version
+    def _engine_drop_prefix_cache(self) -> None:
+        _drop_prefix_cache(self.llm)
 
-    # ------------------------------------------------------------------ memory
-
-    def sleep(self, level: int = 1) -> None:
+    def _engine_sleep(self, level: int) -> None:
         """``LLM.sleep(level)``: level 1 offloads the weights to host memory and drops the KV cache; level 2
-        drops both, and every weight must be re-sent. Deeper while asleep only deepens the bookkeeping
-        (vLLM cannot re-sleep), so level 1 then 2 keeps the host copy yet still requires a full re-sync."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
-        if not self._asleep_tags and self._book.sleep_level == 0:
-            _sleep(self.llm, level)
-            self._asleep_tags = {"weights", "kv_cache"}
-        self._book.slept(level)
+        drops both. vLLM cannot re-sleep, so level 1 then 2 keeps the host copy (the bookkeeping still
+        requires a full re-sync)."""
+        _sleep(self.llm, level)
 
-    def wake(self) -> None:
-        """``LLM.wake_up`` for whatever is still asleep (weights first: vLLM restores buffers into them)."""
-        if self._asleep_tags:
-            _wake_up(self.llm, sorted(self._asleep_tags, key=["weights", "kv_cache"].index))
-            self._asleep_tags.clear()
+    def _engine_wake(self, tags: list[str]) -> None:
+        """``LLM.wake_up`` (weights first: vLLM restores buffers into them). The KV blocks that the prefix
+        cache indexed did not survive the sleep, so it is dropped too."""
+        _wake_up(self.llm, tags)
+        if "kv_cache" in tags:
             _drop_prefix_cache(self.llm)
-        self._book.sleep_level = 0
-
-    def _wake_weights(self) -> None:
-        """Weights cannot be written while their memory is unmapped; the KV cache may stay asleep."""
-        if "weights" in self._asleep_tags:
-            _wake_up(self.llm, ["weights"])
-            self._asleep_tags.discard("weights")
-
-    def health(self) -> dict:
-        return {
-            **self._book.health(),
-            "asleep": sorted(self._asleep_tags),
-            "engine": "vllm",
-            "engine_version": self._vllm.__version__,
-            "model_type": self.weights.model_type,
-        }
