@@ -16,7 +16,9 @@ the torchrun bootstrap imports it.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import fcntl
+import json
 import os
 import secrets
 import shutil
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 SIOCGIFADDR = 0x8915  # Linux ioctl: the IPv4 address of a network interface
+PR_SET_PDEATHSIG = 1  # Linux prctl: the signal a process gets when its parent exits
 
 
 def log(message: str) -> None:
@@ -151,21 +154,30 @@ class RayNodeSpec:
         return cmd + list(self.extra_args)
 
 
+def _terminate_with_parent() -> None:
+    """In the child: SIGTERM when the launcher dies, even by SIGKILL (Linux), so no node leaks."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
 class RayNode:
     """A running ``ray start --block``; :meth:`stop` drains it and stops its processes only."""
 
-    def __init__(self, spec: RayNodeSpec, stdout=None):
+    def __init__(self, spec: RayNodeSpec, stdout=None, env: Optional[Dict[str, str]] = None):
         self.spec = spec
         self.command = spec.command()
         log(("starting Ray head: " if spec.head else "starting Ray worker: ") + " ".join(self.command))
         self.process = subprocess.Popen(
-            self.command, stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True
+            self.command, stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_terminate_with_parent, env=env,
         )
 
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def stop(self, grace_s: float = 30.0) -> None:
+    def stop(self, grace_s: float = 15.0) -> None:
         if self.alive():
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -265,9 +277,11 @@ def _run_node(args: argparse.Namespace, extra: List[str]) -> int:
         if code is not None and not stop_requested:
             log(f"Ray node exited by itself with code {code}")
     finally:
-        node.stop()
+        # Under srun, SLURM signals every process of the step at once, so Ray's own drain would
+        # wait for processes that are already gone: the grace period bounds it.
+        node.stop(args.stop_grace)
         if args.log_dir:
-            name = args.log_name or f"{socket.gethostname()}-{'head' if args.head else 'worker'}"
+            name = args.log_name.format(host=socket.gethostname(), role="head" if args.head else "worker")
             copied = node.copy_logs(args.log_dir, name)
             if copied:
                 log(f"Ray logs copied to {copied}")
@@ -276,10 +290,13 @@ def _run_node(args: argparse.Namespace, extra: List[str]) -> int:
 
 def _wait(args: argparse.Namespace) -> int:
     try:
-        wait_for_nodes(args.address, args.num_nodes, args.timeout)
+        nodes = wait_for_nodes(args.address, args.num_nodes, args.timeout)
     except TimeoutError as error:
         log(f"error: {error}")
         return 1
+    if args.print_nodes:
+        keys = ("NodeID", "NodeManagerAddress", "NodeManagerHostname", "Resources")
+        print(json.dumps([{key: node.get(key) for key in keys} for node in nodes]))
     return 0
 
 
@@ -306,7 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--dashboard-host", default="127.0.0.1", help="default 127.0.0.1: not reachable from other hosts")
     node.add_argument("--dashboard-port", type=int)
     node.add_argument("--log-dir", help="copy the node's Ray logs to LOG_DIR/LOG_NAME when it stops")
-    node.add_argument("--log-name", help="default: HOSTNAME-head or HOSTNAME-worker")
+    node.add_argument("--log-name", default="{host}-{role}",
+                      help="{host} and {role} (head|worker) are filled in (default {host}-{role})")
+    node.add_argument("--stop-grace", type=float, default=15.0,
+                      help="seconds Ray gets to drain after SIGTERM before it is killed (default 15)")
     node.add_argument("--join-timeout", type=float, default=300.0,
                       help="seconds a worker waits for the head's port (default 300)")
 
@@ -314,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     wait.add_argument("--address", required=True, help="HOST:PORT of the head")
     wait.add_argument("--num-nodes", type=int, required=True)
     wait.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
+    wait.add_argument("--print-nodes", action="store_true", help="print the alive nodes as JSON")
     return parser
 
 

@@ -85,6 +85,8 @@ class Peers:
         now = time.monotonic()
         self.last_seen: Dict[int, Tuple[int, float]] = {r: (-1, now) for r in range(num_nodes)}
         self.store_error: Optional[BaseException] = None
+        self.parent = os.getppid()  # this node's torchrun agent
+        self.hosts: Dict[int, str] = {}
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="rlmega-heartbeat", daemon=True)
         self._thread.start()
@@ -107,17 +109,20 @@ class Peers:
             pass
 
     def host(self, rank: int) -> str:
-        try:
-            if self.store.check(f"host/{rank}"):
-                return self.store.get(f"host/{rank}")
-        except DistError:
-            pass
-        return "host unknown"
+        if rank not in self.hosts:
+            try:
+                if self.store.check(f"host/{rank}"):
+                    self.hosts[rank] = self.store.get(f"host/{rank}")
+            except DistError:
+                pass
+        return self.hosts.get(rank, "host unknown")
 
     def check(self, ranks: List[int]) -> None:
         """Raise naming the first of ``ranks`` that reported a failure or went silent."""
         if self.store_error is not None:
             raise self.store_error
+        if os.getppid() != self.parent:
+            raise LaunchError(f"node {self.rank}'s torchrun agent (pid {self.parent}) exited")
         now = time.monotonic()
         for rank in ranks:
             if self.store.check(f"failed/{rank}"):
@@ -235,6 +240,8 @@ def run_head(args, store, peers: Peers, num_nodes: int) -> int:
             driver.kill()
             raise
         code = driver.process.returncode
+        if code < 0:  # killed by a signal: report it the way a shell does
+            code = 128 - code
         log(f"driver exited with code {code}")
         store.set("exit_code", str(code))
         acknowledge_deadline = time.monotonic() + args.heartbeat_timeout
@@ -251,6 +258,7 @@ def run_head(args, store, peers: Peers, num_nodes: int) -> int:
 def run_worker(args, store, peers: Peers, rank: int) -> int:
     head_address = wait_for_key(store, "head_address", peers, [0], args.join_timeout,
                                 "node 0 to start the Ray head")
+    peers.host(0)  # remembered, to name node 0 if it is lost
     os.environ["RAY_AUTH_MODE"] = store.get("auth_mode")
     if store.check("auth_token"):
         os.environ["RAY_AUTH_TOKEN"] = store.get("auth_token")
@@ -324,9 +332,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     store.set(f"host/{rank}", socket.gethostname())
     peers = Peers(store, rank, num_nodes, args.heartbeat_timeout)
-    # A worker launcher stopped by torchrun (or by hand) stops its Ray node on the way out.
-    if rank != 0:
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # A launcher stopped by torchrun (or by hand) stops its Ray node on the way out; once node 0
+    # runs the driver, SIGTERM goes to the driver instead (see Driver).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     log(f"node {rank} of {num_nodes}")
     try:
         if rank == 0:
@@ -338,7 +346,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     except DistError as error:  # the store's connection broke: node 0's torchrun is gone
         log(f"error: lost the store at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} "
-            f"(node 0, {peers.host(0)}): {error}")
+            f"(node 0, {peers.host(0)}): {str(error).splitlines()[0]}")
         return 1
     finally:
         peers.stop()

@@ -3,7 +3,8 @@
     python tests/launch/stub_rlmega.py train [--config NAME] [key=value ...]
 
 It joins the Ray cluster (``cluster.ray_address=auto`` reads ``$RAY_ADDRESS``), places
-``rollout.num_engines`` engine actors with a SPREAD (or PACK) placement group, runs
+``rollout.num_engines`` engine actors with a placement group (``rollout.placement=disaggregated``
+with ``rollout.engine_spread=spread``: SPREAD; otherwise PACK), runs
 ``trainer.total_steps`` steps, and writes what the real trainer writes under ``run_dir``:
 ``placement.json``, ``metrics.jsonl``, ``checkpoints/iter_XXXXXXX/`` and
 ``checkpoints/latest_checkpointed_iteration.txt``. On SIGTERM it finishes the step, saves a
@@ -25,7 +26,8 @@ DEFAULTS = {
     "resume": "auto",
     "cluster.ray_address": "auto",
     "rollout.num_engines": "2",
-    "rollout.placement": "spread",
+    "rollout.placement": "colocated",
+    "rollout.engine_spread": "pack",
     "stub.step_seconds": "1",
 }
 
@@ -61,9 +63,6 @@ def save(checkpoints: Path, step: int) -> None:
 
 def main() -> int:
     config, settings = parse(sys.argv[1:])
-    preempted = []
-    signal.signal(signal.SIGTERM, lambda *_: preempted.append(True))
-
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -72,6 +71,9 @@ def main() -> int:
     if address == "auto":
         address = os.environ.get("RAY_ADDRESS", "auto")
     ray.init(address=None if address == "null" else address, log_to_driver=False)
+    # After ray.init: it installs its own SIGTERM handler (exit code 15) in drivers.
+    preempted = []
+    signal.signal(signal.SIGTERM, lambda *_: preempted.append(True))
 
     run_dir = Path(settings["run_dir"])
     checkpoints = run_dir / "checkpoints"
@@ -93,7 +95,8 @@ def main() -> int:
         def generate(self, step):
             return float(step)
 
-    strategy = "SPREAD" if settings["rollout.placement"] == "spread" else "PACK"
+    spread = (settings["rollout.placement"], settings["rollout.engine_spread"]) == ("disaggregated", "spread")
+    strategy = "SPREAD" if spread else "PACK"
     group = placement_group([{"CPU": 0.1}] * num_engines, strategy=strategy)
     ray.get(group.ready(), timeout=120)
     engines = [
@@ -103,8 +106,9 @@ def main() -> int:
     where = ray.get([engine.where.remote() for engine in engines], timeout=120)
     context = ray.get_runtime_context()
     placement = {
-        "training": [{"rank": 0, "node_id": context.get_node_id(), "ip": ray.util.get_node_ip_address()}],
-        "rollout": [{"engine": index, **spot} for index, spot in enumerate(where)],
+        "placement": settings["rollout.placement"],
+        "training_ranks": [{"rank": 0, "node_id": context.get_node_id(), "ip": ray.util.get_node_ip_address()}],
+        "engines": [{"engine": index, **spot} for index, spot in enumerate(where)],
         "cluster_nodes": sorted(node["NodeID"] for node in ray.nodes() if node["Alive"]),
         "gcs_address": context.gcs_address,
     }
