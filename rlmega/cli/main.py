@@ -11,7 +11,7 @@ import sys
 from typing import Callable, Dict, List, Optional, Tuple
 
 import rlmega
-from rlmega.cli import convert, doctor, quickstart, train
+from rlmega.cli import convert, doctor, quickstart, sft, train
 
 AddArguments = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]
@@ -19,6 +19,7 @@ Run = Callable[[argparse.Namespace], int]
 # name -> (one-line help, add_arguments, run); the order here is the order in `rlmega --help`.
 SUBCOMMANDS: Dict[str, Tuple[str, AddArguments, Run]] = {
     "train": (train.HELP, train.add_arguments, train.run),
+    "sft": (sft.HELP, sft.add_arguments, sft.run),
     "quickstart": (quickstart.HELP, quickstart.add_arguments, quickstart.run),
     "doctor": (doctor.HELP, doctor.add_arguments, doctor.run),
     "convert": (convert.HELP, convert.add_arguments, convert.run),

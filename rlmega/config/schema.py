@@ -8,7 +8,7 @@ rewards, metrics); this module gathers them and adds the ones that belong to the
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 from rlmega.data import DataConfig
 from rlmega.rewards import RewardConfig
@@ -45,6 +45,8 @@ class LayoutConfig:
 class RolloutConfig:
     backend: str = "hf"
     """hf (transformers, CPU or GPU); vllm and sglang on GPU."""
+    engine_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Extra constructor arguments of the engine (e.g. vLLM's gpu_memory_utilization)."""
     num_engines: int = 1
     placement: str = "colocated"
     """colocated: engines share the training ranks' resources and sleep while training runs (training

@@ -42,8 +42,8 @@ def _wait_ready(group, what: str, timeout_s: float) -> None:
         ) from None
 
 
-def start_workers(config: RLConfig):
-    """(TrainingGroup, RolloutGroup, placement description) for ``config``."""
+def start_workers(config: RLConfig, *, with_rollout: bool = True):
+    """(TrainingGroup, RolloutGroup or None, placement description) for ``config``."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -65,6 +65,8 @@ def start_workers(config: RLConfig):
         _wait_ready(engine_pg, "placing rollout engines", config.cluster.timeout_s)
         engine_bundle = lambda index: index  # noqa: E731
     training = TrainingGroup(config, training_pg, total_steps=config.trainer.total_steps)
+    if not with_rollout:
+        return training, None, {"placement": config.rollout.placement, "training_ranks": training.nodes, "engines": []}
     rollout = RolloutGroup(config, lambda index: PlacementGroupSchedulingStrategy(engine_pg, placement_group_bundle_index=engine_bundle(index)))
     placement = {"placement": config.rollout.placement, "training_ranks": training.nodes, "engines": rollout.nodes}
     return training, rollout, placement

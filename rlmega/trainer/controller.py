@@ -14,6 +14,8 @@ import signal
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
+
 import torch
 
 from rlmega.config.schema import RLConfig
@@ -78,6 +80,20 @@ class Trainer:
             return 0
         finally:
             signal.signal(signal.SIGTERM, previous)
+            self.close()
+
+    def fit_sft(self) -> int:
+        """Only the supervised warm-start (``trainer.sft_steps``), then its HF export to ``run_dir/sft_hf``."""
+        from rlmega.trainer.cluster import start_workers
+
+        try:
+            self.training, _, _ = start_workers(self.config, with_rollout=False)
+            self._warm_start()
+            root = self.run_dir / "sft_checkpoints"
+            self.training.run("save", str(root), {"sampler": self.sampler.state_dict(), "step": 0})
+            self._export_hf(root / "actor", self.run_dir / "sft_hf")
+            return 0
+        finally:
             self.close()
 
     def train_step(self, step: int) -> dict[str, float]:
@@ -205,11 +221,13 @@ class Trainer:
     def _save(self, step: int) -> None:
         self.training.run("save", str(self.run_dir / "checkpoints"), {"sampler": self.sampler.state_dict(), "step": step})
 
-    def _export_hf(self) -> None:
+    def _export_hf(self, checkpoint: Optional[Path] = None, output: Optional[Path] = None) -> None:
         from converters.mcore_to_hf import convert
 
-        convert(self.run_dir / "checkpoints" / "actor", self.run_dir / "hf", self.config.model.path, overwrite=True, quiet=True)
-        print(f"exported HF checkpoint to {self.run_dir / 'hf'}", flush=True)
+        checkpoint = checkpoint or self.run_dir / "checkpoints" / "actor"
+        output = output or self.run_dir / "hf"
+        convert(checkpoint, output, self.config.model.path, overwrite=True, quiet=True)
+        print(f"exported HF checkpoint to {output}", flush=True)
 
     def _on_sigterm(self, signum, frame) -> None:
         print("SIGTERM: finishing the current step, then saving a checkpoint", flush=True)

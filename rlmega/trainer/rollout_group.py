@@ -1,4 +1,8 @@
-"""Rollout engines as Ray actors: prompts are split over the engines, answers merged in order."""
+"""Rollout engines as Ray actors: prompts are split over the engines, answers merged in order.
+
+``rollout.backend`` picks the engine class: ``hf`` (transformers; CPU, or GPU when
+``rollout.gpus_per_engine > 0``), ``vllm`` or ``sglang`` (GPU; their adapters in ``rlmega.rollout``).
+``rollout.engine_kwargs`` go to the engine's constructor."""
 
 from __future__ import annotations
 
@@ -22,24 +26,18 @@ class RolloutGroup:
     def __init__(self, config: RLConfig, scheduling):
         import ray
 
-        from rlmega.rollout.hf_engine import HFEngine
         from rlmega.rollout.ray_actor import RemoteEngine
 
-        if config.rollout.backend != "hf":
-            raise NotImplementedError(
-                f"rollout.backend={config.rollout.backend!r}: the trainer drives the hf backend so far; the vLLM and "
-                "SGLang adapters (rlmega.rollout.vllm_engine / sglang_engine) are not wired into it yet"
-            )
         self.config = config
         self.timeout_s = config.cluster.timeout_s
-        engine_class = ray.remote(HFEngine)
+        engine_class, arguments = _engine(config)
         threads = str(max(1, int(config.rollout.cpus_per_engine)))
         self.actors = [
-            engine_class.options(
+            ray.remote(engine_class).options(
                 num_cpus=config.rollout.cpus_per_engine, num_gpus=config.rollout.gpus_per_engine,
                 scheduling_strategy=scheduling(index),
                 runtime_env={"env_vars": {"OMP_NUM_THREADS": threads}},
-            ).remote(config.model.path)
+            ).remote(config.model.path, **arguments)
             for index in range(config.rollout.num_engines)
         ]
         self.names = [f"rollout engine {index}" for index in range(len(self.actors))]
@@ -87,6 +85,28 @@ class RolloutGroup:
 
         for actor in self.actors:
             ray.kill(actor)
+
+
+def _engine(config: RLConfig) -> tuple[type, dict]:
+    """The engine class of ``rollout.backend`` and its constructor arguments."""
+    import torch
+
+    rollout = config.rollout
+    arguments = dict(rollout.engine_kwargs)
+    if rollout.backend == "hf":
+        from rlmega.rollout.hf_engine import HFEngine
+
+        on_gpu = rollout.gpus_per_engine > 0
+        arguments.setdefault("device", "cuda" if on_gpu else "cpu")
+        arguments.setdefault("dtype", torch.bfloat16 if on_gpu else torch.float32)
+        return HFEngine, arguments
+    if rollout.backend == "vllm":
+        from rlmega.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine, {"bucket_bytes": rollout.bucket_bytes, **arguments}
+    from rlmega.rollout.sglang_engine import SGLangEngine
+
+    return SGLangEngine, {"bucket_bytes": rollout.bucket_bytes, **arguments}
 
 
 def _with_seed(params: SamplingParams, seed: Optional[int]) -> SamplingParams:

@@ -136,3 +136,22 @@ def test_reward_function_that_raises_or_hangs_does_not_stop_training(tmp_path, a
     rows = _rows(tmp_path / "run")
     assert len(rows) == 2
     assert sum(row.get("reward/errors", 0) for row in rows) > 0
+
+
+def test_sft_command_trains_and_exports_an_hf_model(tmp_path, assets):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    _prepare(tmp_path, assets)
+    command = [sys.executable, "-m", "rlmega.cli.main", "sft", f"run_dir={tmp_path}", "trainer.sft_steps=3",
+               "trainer.prompts_per_step=4", "rollout.n=4", "layout.tp=1", "layout.world_size=1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    exported = tmp_path / "sft_hf"
+    AutoModelForCausalLM.from_pretrained(exported)  # a complete HF directory
+    before, after = load_file(str(assets / "model" / "model.safetensors")), {}
+    for shard in exported.glob("*.safetensors"):
+        after.update(load_file(str(shard)))
+    assert after.keys() == before.keys()
+    assert not all(torch.equal(after[name], before[name]) for name in before)  # the warm-start trained it

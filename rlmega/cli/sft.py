@@ -1,0 +1,46 @@
+"""``rlmega sft``: the supervised warm-start alone, on the same Megatron workers as RL."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+HELP = "supervised fine-tuning on the dataset's ground-truth answers (the RL warm-start, run alone)"
+
+EPILOG = """\
+examples:
+  rlmega sft --config tiny_cpu trainer.sft_steps=100 run_dir=runs/sft
+  rlmega train --config tiny_cpu model.path=runs/sft/sft_hf trainer.sft_steps=0   # RL from it
+
+trains trainer.sft_steps steps (prompts_per_step x rollout.n sequences each, lr trainer.sft_lr) on
+the prompts of data.files followed by their reward_model.ground_truth and EOS; writes the Megatron
+checkpoint to run_dir/sft_checkpoints and the HF model to run_dir/sft_hf.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EPILOG
+    parser.add_argument("--config", default="tiny_cpu", help="a config name in configs/ or a YAML path (default: tiny_cpu)")
+    parser.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. trainer.sft_steps=100")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rlmega.config import ConfigError, load_config, validate
+
+    try:
+        config = load_config(args.config, args.overrides, check=False)
+        if config.tiny_assets:
+            from rlmega.trainer.assets import prepare_tiny_assets
+
+            prepare_tiny_assets(Path(config.run_dir) / "assets")
+        validate(config)
+        if config.trainer.sft_steps < 1:
+            raise ConfigError("trainer.sft_steps: rlmega sft needs at least one step")
+    except ConfigError as error:
+        print(f"rlmega sft: config error: {error}", file=sys.stderr)
+        return 2
+    from rlmega.trainer.controller import Trainer
+
+    return Trainer(config).fit_sft()
