@@ -11,7 +11,7 @@ import sys
 from typing import Callable, Dict, List, Optional, Tuple
 
 import rlmega
-from rlmega.cli import convert, doctor, quickstart, sft, train
+from rlmega.cli import convert, doctor, sft, smoke, train
 
 AddArguments = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]
@@ -20,7 +20,8 @@ Run = Callable[[argparse.Namespace], int]
 SUBCOMMANDS: Dict[str, Tuple[str, AddArguments, Run]] = {
     "train": (train.HELP, train.add_arguments, train.run),
     "sft": (sft.HELP, sft.add_arguments, sft.run),
-    "quickstart": (quickstart.HELP, quickstart.add_arguments, quickstart.run),
+    "quickstart": (train.QUICKSTART_HELP, train.add_arguments, train.run),
+    "smoke": (smoke.HELP, smoke.add_arguments, smoke.run),
     "doctor": (doctor.HELP, doctor.add_arguments, doctor.run),
     "convert": (convert.HELP, convert.add_arguments, convert.run),
 }

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 HELP = "run RL training (GRPO, DAPO, PPO, REINFORCE++, RLOO) from a config"
+QUICKSTART_HELP = "the tiny GRPO run on CPU, built locally (the same as 'rlmega train --config tiny_cpu')"
 
 EPILOG = """\
 examples:

@@ -1,4 +1,4 @@
-"""``rlmega quickstart``: the smallest real thing, end to end on this machine.
+"""``rlmega smoke``: the smallest real thing, end to end on this machine.
 
 Trains the tiny Megatron GPT on a counting task with Megatron-Core's own schedule, DDP and optimizer,
 on gloo ranks spawned here (CPU) in the parallel layout you ask for, and prints the loss live. The
@@ -11,7 +11,7 @@ import argparse
 import math
 import time
 
-HELP = "train a tiny Megatron GPT on CPU in any parallel layout, with a live loss readout"
+HELP = "check Megatron-Core training on this machine: a tiny GPT learns to count in any parallel layout (no RL)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +46,7 @@ def _train(rank: int, world_size: int, layout, steps: int, lr: float, num_microb
     dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     console = Console(highlight=False, soft_wrap=True)  # one line per step, also in logs
     if reports:
-        console.print(f"[bold]rlmega quickstart[/]  {layout.describe()}  tiny GPT, {steps} steps")
+        console.print(f"[bold]rlmega smoke[/]  {layout.describe()}  tiny GPT, {steps} steps")
     losses = []
     started = time.perf_counter()
     for step in range(1, steps + 1):
@@ -75,11 +75,11 @@ def run(args: argparse.Namespace) -> int:
         )
         TinyGPTSpec().check_layout(layout)
     except LayoutError as error:
-        print(f"rlmega quickstart: {error}")
+        print(f"rlmega smoke: {error}")
         return 2
     if args.micro_batches % args.dp or args.steps < 1:
         print(
-            f"rlmega quickstart: --micro-batches {args.micro_batches} must be divisible by "
+            f"rlmega smoke: --micro-batches {args.micro_batches} must be divisible by "
             f"--dp {args.dp}, and --steps {args.steps} must be positive"
         )
         return 2
@@ -89,12 +89,12 @@ def run(args: argparse.Namespace) -> int:
             args=(layout, args.steps, args.lr, args.micro_batches),
         )
     except RankFailure as failure:
-        print(f"rlmega quickstart: {failure}")
+        print(f"rlmega smoke: {failure}")
         return 1
     [losses] = [r for r in results if r]
     first, last = losses[0], losses[-1]
     print(f"loss {first:.3f} -> {last:.3f} over {len(losses)} steps (uniform guess: {math.log(VOCAB_SIZE):.3f})")
     if not last < first:
-        print("rlmega quickstart: the loss did not fall; training is broken on this machine")
+        print("rlmega smoke: the loss did not fall; training is broken on this machine")
         return 1
     return 0
