@@ -197,15 +197,11 @@ class RayNode:
         if not source.is_dir():
             return None
         target = Path(log_dir) / name
-        shutil.copytree(source, target, dirs_exist_ok=True, ignore_dangling_symlinks=True)
+        try:
+            shutil.copytree(source, target, dirs_exist_ok=True, ignore_dangling_symlinks=True)
+        except (OSError, shutil.Error) as error:  # logs are a convenience: never fail the job for them
+            log(f"could not copy all Ray logs to {target}: {error}")
         return target
-
-
-def alive_nodes(address: str) -> List[Dict]:
-    """Alive nodes of the cluster at ``address`` (the caller is connected with ``ray.init``)."""
-    import ray
-
-    return [node for node in ray.nodes() if node.get("Alive")]
 
 
 def wait_for_nodes(
@@ -224,7 +220,7 @@ def wait_for_nodes(
     ray.init(address=address, log_to_driver=False, logging_level="WARNING", include_dashboard=False)
     try:
         while True:
-            nodes = alive_nodes(address)
+            nodes = [node for node in ray.nodes() if node.get("Alive")]
             if len(nodes) >= num_nodes:
                 log(f"all {num_nodes} Ray nodes joined: " + describe(nodes))
                 return nodes

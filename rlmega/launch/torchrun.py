@@ -44,6 +44,12 @@ from rlmega.launch.ray_cluster import (
 )
 
 KEY_PREFIX = "rlmega-launch/"
+# torchrun's per-process variables describe the launchers' group, not the job's. Left in the
+# environment of Ray and of the driver, torch.distributed in the training ranks would join (or, with
+# TORCHELASTIC_USE_AGENT_STORE, wait for) the launchers' store instead of its own.
+TORCHRUN_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+                      "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME",
+                      "ROLE_WORLD_SIZE", "NODE_RANK")
 POLL_S = 1.0
 
 
@@ -171,6 +177,12 @@ def wait_for_key(store: LockedStore, key: str, peers: Peers, watch: List[int], t
     return store.get(key)
 
 
+def job_env() -> Dict[str, str]:
+    """This process's environment without torchrun's variables (see TORCHRUN_VARIABLES)."""
+    return {name: value for name, value in os.environ.items()
+            if name not in TORCHRUN_VARIABLES and not name.startswith("TORCHELASTIC_")}
+
+
 def ray_spec(args: argparse.Namespace, rank: int, head: bool, head_address: Optional[str]) -> RayNodeSpec:
     return RayNodeSpec(
         head=head,
@@ -190,7 +202,7 @@ class Driver:
     """The driver command on node 0, in its own process group; SIGTERM/SIGINT are forwarded."""
 
     def __init__(self, command: List[str], ray_address: str):
-        env = dict(os.environ, RAY_ADDRESS=ray_address)
+        env = dict(job_env(), RAY_ADDRESS=ray_address)
         log(f"running the driver with RAY_ADDRESS={ray_address}: {shlex.join(command)}")
         self.process = subprocess.Popen(command, env=env, start_new_session=True)
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -217,7 +229,7 @@ def run_head(args, store, peers: Peers, num_nodes: int) -> int:
     store.set("auth_mode", os.environ["RAY_AUTH_MODE"])
     if token:
         store.set("auth_token", token)
-    node = RayNode(ray_spec(args, 0, head=True, head_address=None))
+    node = RayNode(ray_spec(args, 0, head=True, head_address=None), env=job_env())
     workers = list(range(1, num_nodes))
     try:
         address = f"{node.spec.node_ip}:{args.ray_port}"
@@ -262,7 +274,7 @@ def run_worker(args, store, peers: Peers, rank: int) -> int:
     os.environ["RAY_AUTH_MODE"] = store.get("auth_mode")
     if store.check("auth_token"):
         os.environ["RAY_AUTH_TOKEN"] = store.get("auth_token")
-    node = RayNode(ray_spec(args, rank, head=False, head_address=head_address))
+    node = RayNode(ray_spec(args, rank, head=False, head_address=head_address), env=job_env())
     try:
         while not store.check("exit_code"):
             peers.check([0])
