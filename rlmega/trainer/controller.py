@@ -53,9 +53,11 @@ class Trainer:
         from rlmega.trainer.cluster import start_workers
         from rlmega.trainer.metrics import MetricsTracker
 
-        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        previous = signal.getsignal(signal.SIGTERM)
         try:
             self.training, self.rollout, placement = start_workers(self.config)
+            # After ray.init, which installs a SIGTERM handler of its own that aborts the driver.
+            signal.signal(signal.SIGTERM, self._on_sigterm)
             (self.run_dir / "placement.json").write_text(json.dumps(placement, indent=1))
             start = self._resume()
             self.tracker = MetricsTracker(self.run_dir, config=self.config.metrics, total_steps=self.config.trainer.total_steps,

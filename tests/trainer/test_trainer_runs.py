@@ -4,6 +4,7 @@ SIGKILL resumes to exactly the metrics of an uninterrupted one."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -155,3 +156,28 @@ def test_sft_command_trains_and_exports_an_hf_model(tmp_path, assets):
         after.update(load_file(str(shard)))
     assert after.keys() == before.keys()
     assert not all(torch.equal(after[name], before[name]) for name in before)  # the warm-start trained it
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path, assets):
+    run_dir = tmp_path / "run"
+    _prepare(run_dir, assets)
+    command = [sys.executable, "-m", "rlmega.cli.main", "train", f"run_dir={run_dir}", *TINY,
+               "trainer.total_steps=50", "trainer.save_every=0", "layout.tp=1", "layout.world_size=1"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        metrics = run_dir / "metrics.jsonl"
+        while time.monotonic() < deadline and process.poll() is None:
+            if metrics.exists() and metrics.read_text().strip():
+                break
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 143, output[-3000:]
+    saved = re.search(r"preempted: checkpoint saved at step (\d+)", output)
+    assert saved, output[-3000:]
+    tracker = run_dir / "checkpoints" / "actor" / "latest_checkpointed_iteration.txt"
+    assert tracker.read_text() == saved.group(1) and int(saved.group(1)) < 50
