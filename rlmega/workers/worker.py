@@ -40,6 +40,11 @@ class MegatronWorker:
         """Build this rank's model (and optimizer, for roles that train) in ``layout``; Megatron's
         process groups must exist (``rlmega.parallel.layout.initialize``). ``hf_dir`` loads HF
         weights through the bridge; ``total_steps`` is the default length of decaying LR schedules."""
+        if layout.cp > 1:
+            raise NotImplementedError(
+                f"context parallelism (cp={layout.cp}) is not supported by the worker yet: sequences are not split "
+                "over CP ranks; use cp=1"
+            )
         self.spec, self.layout, self.config = spec, layout, config
         self.chunks, self.transformer_config = build_model(spec, layout, config)
         if hf_dir is not None:
