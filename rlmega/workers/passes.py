@@ -78,8 +78,8 @@ def reporting_rank() -> bool:
 def combine_metrics(results: list[Optional[HeadResult]], micro_batches: list[MicroBatch]) -> dict[str, float]:
     """The heads' metrics over every micro-batch of every data-parallel rank, the same on all ranks:
     token-weighted means of ``metrics``, totals of ``summed``. Collective over the default group."""
-    means = _agree_on_names(sorted({n for r in results if r is not None for n in r.metrics}))
-    totals = _agree_on_names(sorted({n for r in results if r is not None for n in r.summed}))
+    means, totals = _agree_on_names(
+        {n for r in results if r is not None for n in r.metrics}, {n for r in results if r is not None for n in r.summed})
     sums = torch.zeros(len(means) + len(totals) + 1, dtype=torch.float64)
     if reporting_rank():
         for result, micro_batch in zip(results, micro_batches):
@@ -99,13 +99,13 @@ def combine_metrics(results: list[Optional[HeadResult]], micro_batches: list[Mic
     return combined
 
 
-def _agree_on_names(names: list[str]) -> list[str]:
-    """Every rank's metric names (only the last stage knows them), in one sorted list."""
-    if not dist.is_initialized():
-        return names
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, names)
-    return sorted({name for part in gathered for name in part})
+def _agree_on_names(means: set[str], totals: set[str]) -> tuple[list[str], list[str]]:
+    """Every rank's names of mean and summed metrics (only the last stage knows them), sorted; one all-gather."""
+    gathered: list = [(means, totals)]
+    if dist.is_initialized():
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (means, totals))
+    return sorted(set().union(*(part[0] for part in gathered))), sorted(set().union(*(part[1] for part in gathered)))
 
 
 def scatter_outputs(
