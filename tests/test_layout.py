@@ -44,8 +44,6 @@ def test_impossible_world_layouts_name_their_numbers(kwargs, message):
         (dict(ep=2, world_size=2), dict(num_attention_heads=4, num_experts=3),
          "num_experts=3 is not divisible by ep=2"),
         (dict(ep=2, world_size=2), dict(num_attention_heads=4), "ep=2 needs a MoE model, but the model has no experts"),
-        (dict(cp=2, world_size=2), dict(num_attention_heads=4),
-         "cp=2 needs transformer-engine (GPU only), which is not installed; use cp=1"),
     ],
 )
 def test_model_mismatches_name_their_numbers(layout, model, message):
@@ -55,10 +53,8 @@ def test_model_mismatches_name_their_numbers(layout, model, message):
     assert str(error.value) == message
 
 
-def test_context_parallel_is_accepted_with_transformer_engine():
-    ParallelLayout(cp=2, world_size=2).check_model(
-        num_layers=4, num_attention_heads=4, has_transformer_engine=True
-    )
+def test_context_parallel_is_accepted_with_or_without_transformer_engine():
+    ParallelLayout(cp=2, tp=2, world_size=8).check_model(num_layers=4, num_attention_heads=4)
 
 
 def test_describe_lists_every_degree():

@@ -44,7 +44,8 @@ def _exported_params(chunks: list, spec: ModelSpec):
     for param in local_params(chunks):
         if param.tied_output:
             continue  # the same tensor as the input embedding
-        replica = ps.get_expert_data_parallel_rank() if param.is_expert else ps.get_data_parallel_rank()
+        # Context-parallel ranks hold replicas too: dense params count them among the data-parallel ones.
+        replica = ps.get_expert_data_parallel_rank() if param.is_expert else ps.get_data_parallel_rank(with_context_parallel=True)
         if replica != 0:
             continue
         rule, names = book.resolve(param.canonical)

@@ -112,7 +112,6 @@ def validate(config: RLConfig) -> None:
         spec = model_spec_from_hf(str(model_dir))
     except UnsupportedModelError as error:
         raise ConfigError(f"model.path: {error}") from error
-    _require(config.layout.cp == 1, "layout.cp", "context parallelism is not supported by the workers yet; use cp=1")
     layout_fields = dataclasses.asdict(config.layout)
     try:
         spec.check_layout(ParallelLayout(**layout_fields))

@@ -104,7 +104,6 @@ class ParallelLayout:
         num_attention_heads: int,
         num_query_groups: Optional[int] = None,
         num_experts: Optional[int] = None,
-        has_transformer_engine: bool = False,
     ) -> None:
         """Raise LayoutError unless the model can be split this way."""
         if num_attention_heads % self.tp:
@@ -125,10 +124,6 @@ class ParallelLayout:
             raise LayoutError(f"ep={self.ep} needs a MoE model, but the model has no experts")
         if num_experts and num_experts % self.ep:
             raise LayoutError(f"num_experts={num_experts} is not divisible by ep={self.ep}")
-        if self.cp > 1 and not has_transformer_engine:
-            raise LayoutError(
-                f"cp={self.cp} needs transformer-engine (GPU only), which is not installed; use cp=1"
-            )
 
     def _check_uneven_stages(self, num_layers: int) -> None:
         first, last = self.first_stage_layers or 0, self.last_stage_layers or 0
@@ -146,6 +141,16 @@ class ParallelLayout:
             f"tp={self.tp} pp={self.pp}{vpp} cp={self.cp} ep={self.ep} etp={self.expert_tp} "
             f"dp={self.dp} (world {self.world_size})"
         )
+
+
+def zigzag_positions(length: int, cp: int, rank: int) -> torch.Tensor:
+    """Positions ``[length / cp]`` of a sequence held by CP ``rank``: chunks ``rank`` and
+    ``2cp-1-rank`` of ``2cp`` equal chunks (the split Megatron's rotary embedding assumes)."""
+    if length % (2 * cp):
+        raise ValueError(f"a context-parallel segment of {length} tokens is not a multiple of 2*cp = {2 * cp}")
+    chunk = length // (2 * cp)
+    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                      torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])
 
 
 def default_backend() -> str:

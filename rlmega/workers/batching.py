@@ -134,6 +134,9 @@ class MicroBatch:
     """``[N]`` the response tokens predicted there."""
     response_lengths: list[int]
     """Response tokens per sequence; ``response_positions`` lists them sequence by sequence."""
+    context_share: Optional[object] = None
+    """Under context parallelism, this rank's share (``context_parallel.ContextShare``): then
+    ``tokens`` and ``response_*`` positions are this rank's, ``response_lengths`` the whole sequences'."""
 
     @property
     def num_tokens(self) -> int:
@@ -153,46 +156,53 @@ def _response_slots(start: int, tokens: torch.Tensor, prompt_length: int) -> tup
 def build_micro_batch(
     batch: SequenceBatch, indices: list[int], *, packing: bool, pad_to_multiple: int = 1,
     shape: Optional[tuple[int, int]] = None, use_thd: bool = False, pad_token_id: int = 0,
+    segment_multiple: int = 1,
 ) -> MicroBatch:
     """The inputs of the micro-batch made of ``batch``'s sequences ``indices`` (may be empty).
 
     ``pad_to_multiple`` rounds the row length up (sequence parallelism needs a multiple of tp).
     ``shape`` forces ``[B, S]`` (pipeline stages exchange fixed-shape activations), padding with
-    rows of pad tokens that carry no response tokens.
+    rows of pad tokens that carry no response tokens. ``segment_multiple`` gives each packed
+    sequence a slot of a multiple of that many tokens (THD context parallelism splits every
+    sequence into ``2 * cp`` equal chunks).
     """
     sequences = [batch.tokens[i] for i in indices]
     prompts = [batch.prompt_lengths[i] for i in indices]
+    slots = [_round_up(s.numel(), segment_multiple) if packing else s.numel() for s in sequences]
     if packing:
-        length = _round_up(max(sum(s.numel() for s in sequences), 1), pad_to_multiple)
+        length = _round_up(max(sum(slots), 1), pad_to_multiple)
         rows, width = 1, length if shape is None else max(length, shape[1])
     else:
-        length = _round_up(max([s.numel() for s in sequences], default=1), pad_to_multiple)
+        length = _round_up(max(slots, default=1), pad_to_multiple)
         rows, width = max(len(sequences), 1), length
         if shape is not None:
             rows, width = max(rows, shape[0]), max(width, shape[1])
     tokens = torch.full((rows, width), pad_token_id, dtype=torch.long)
     position_ids = torch.arange(width).repeat(rows, 1)
-    positions, targets, segment_lengths = [], [], []
+    positions, targets = [], []
+    real_lengths, slot_lengths = [], []  # packed segments: tokens used, tokens occupied
     offset = 0
-    for row, (sequence, prompt) in enumerate(zip(sequences, prompts)):
+    for row, (sequence, prompt, slot) in enumerate(zip(sequences, prompts, slots)):
         start = offset if packing else row * width
-        column = offset if packing else 0
         tokens.view(-1)[start:start + sequence.numel()] = sequence
         if packing:
-            position_ids[0, column:column + sequence.numel()] = torch.arange(sequence.numel())
-            segment_lengths.append(sequence.numel())
-            offset += sequence.numel()
+            position_ids[0, offset:offset + slot] = torch.arange(slot)
+            real_lengths.append(sequence.numel())
+            slot_lengths.append(slot)
+            offset += slot
         slot_positions, slot_targets = _response_slots(start, sequence, prompt)
         positions.append(slot_positions)
         targets.append(slot_targets)
     attention_mask = packed_seq_params = None
     if packing:
-        if width > offset:
-            segment_lengths.append(width - offset)  # the padding tail attends only to itself
+        if width > offset:  # the padding tail attends only to itself
+            real_lengths.append(width - offset)
+            slot_lengths.append(width - offset)
         if use_thd:
-            packed_seq_params = _thd_params(segment_lengths)
-        else:
-            attention_mask = block_causal_mask(segment_lengths)
+            packed_seq_params = _thd_params(real_lengths, slot_lengths, padded_slots=segment_multiple > 1)
+        else:  # a slot's padding is a segment of its own
+            pieces = [n for real, slot in zip(real_lengths, slot_lengths) for n in (real, slot - real) if n]
+            attention_mask = block_causal_mask(pieces)
     return MicroBatch(
         indices=list(indices), tokens=tokens, position_ids=position_ids, attention_mask=attention_mask,
         packed_seq_params=packed_seq_params,
@@ -211,16 +221,21 @@ def block_causal_mask(segment_lengths: list[int]) -> torch.Tensor:
     return (~allowed).view(1, 1, total, total)
 
 
-def _thd_params(segment_lengths: list[int]):
-    """Megatron's ``PackedSeqParams`` for a packed row (transformer-engine's THD attention)."""
+def _thd_params(real_lengths: list[int], slot_lengths: list[int], padded_slots: bool):
+    """Megatron's ``PackedSeqParams`` for a packed row (transformer-engine's THD attention), with
+    the slots' padded offsets when sequences sit in padded slots (context parallelism)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    cu_seqlens = torch.zeros(len(segment_lengths) + 1, dtype=torch.int32)
-    cu_seqlens[1:] = torch.cumsum(torch.tensor(segment_lengths, dtype=torch.int32), dim=0)
-    longest = max(segment_lengths)
+    def cumulative(lengths):
+        cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        cu_seqlens[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), dim=0)
+        return cu_seqlens
+
+    padded = cumulative(slot_lengths) if padded_slots else None
+    longest = max(slot_lengths)
     return PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-        max_seqlen_q=longest, max_seqlen_kv=longest,
+        qkv_format="thd", cu_seqlens_q=cumulative(real_lengths), cu_seqlens_kv=cumulative(real_lengths),
+        cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded, max_seqlen_q=longest, max_seqlen_kv=longest,
     )
 
 

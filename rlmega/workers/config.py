@@ -44,7 +44,8 @@ class OptimizerConfig:
 @dataclasses.dataclass
 class BatchingConfig:
     max_tokens_per_microbatch: int = 8192
-    """Token budget of one micro-batch (dynamic batch size); a longer sequence gets a micro-batch alone."""
+    """Token budget of one micro-batch on one rank (dynamic batch size); a longer sequence gets a
+    micro-batch alone. Under context parallelism the cp ranks share micro-batches of cp times as many."""
     min_microbatches: int = 1
     """Use at least this many micro-batches per mini-batch (e.g. to fill a pipeline)."""
     packing: bool = True

@@ -6,46 +6,39 @@ import torch
 import torch.distributed as dist
 
 from rlmega.models.spec import ModelSpec
-from rlmega.workers.logprobs import vocab_parallel_logprobs
+from rlmega.workers.batching import SequenceBatch, build_micro_batch
+from rlmega.workers.context_parallel import split_micro_batch
+from rlmega.workers.heads import logprob_head
+from rlmega.workers.logprobs import DEFAULT_CHUNK_TOKENS
+from rlmega.workers.passes import run_schedule
 
 
 def sequence_logprobs(chunks: list, spec: ModelSpec, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
     """``log p(x_t | x_<t)`` for t = 1..len-1 of each sequence ``[len]``, on every rank.
 
-    Collective over the model's ranks. Runs forward-only through Megatron's pipeline schedule (one
-    sequence per micro-batch, so lengths may differ), computes log-probs from the vocabulary-parallel
-    logits on the last stage without gathering the vocabulary, and broadcasts them to all ranks.
+    Collective over the model's ranks, which all score every sequence (no data-parallel split).
+    Runs forward-only through Megatron's pipeline schedule, one sequence per call (lengths
+    differ), split over context-parallel ranks like the worker's micro-batches; log-probs come
+    from the vocabulary-parallel logits on the last stage and are broadcast to all stages.
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    tp_group, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
-
-    def forward_step(iterator, model):
-        tokens = next(iterator).unsqueeze(0)
-        positions = torch.arange(tokens.shape[1]).unsqueeze(0)
-        logits = model(tokens, positions, None)
-
-        def score(output):
-            local = output[0, :-1].float()
-            logprobs, _ = vocab_parallel_logprobs(
-                local, tokens[0, 1:], vocab_size=spec.vocab_size, vocab_start=tp_rank * local.shape[-1], group=tp_group
-            )
-            return output.sum() * 0, {"logprobs": logprobs.detach()}
-
-        return logits, score
-
+    config = chunks[0].config
+    cp = ps.get_context_parallel_world_size()
+    multiple = (ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1) * (2 * cp if cp > 1 else 1)
+    batch = SequenceBatch(list(sequences), [1] * len(sequences))  # every token after the first is scored
+    head = logprob_head(spec.vocab_size, DEFAULT_CHUNK_TOKENS)
     results = []
-    for sequence in sequences:  # one schedule call per sequence: sequence lengths differ
-        outputs = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=[iter([sequence]) for _ in chunks] if len(chunks) > 1 else iter([sequence]),
-            model=chunks if len(chunks) > 1 else chunks[0],
-            num_microbatches=1, seq_length=sequence.shape[0], micro_batch_size=1, forward_only=True,
-        )
-        logprobs = outputs[0]["logprobs"] if ps.is_pipeline_last_stage(ignore_virtual=True) else torch.empty(sequence.shape[0] - 1)
+    for index, sequence in enumerate(sequences):
+        micro_batch = build_micro_batch(batch, [index], packing=False, pad_to_multiple=multiple)
+        if cp > 1:
+            micro_batch = split_micro_batch(micro_batch, cp, ps.get_context_parallel_rank())
+        with torch.no_grad():
+            (result,) = run_schedule(chunks, [micro_batch], head, forward_only=True)
+        logprobs = result.outputs["logprobs"].float().cpu() if result is not None else torch.empty(sequence.numel() - 1)
         if ps.get_pipeline_model_parallel_world_size() > 1:
-            last_stage = dist.get_global_rank(ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_world_size() - 1)
-            dist.broadcast(logprobs, src=last_stage, group=ps.get_pipeline_model_parallel_group())
+            group = ps.get_pipeline_model_parallel_group()
+            last_stage = dist.get_global_rank(group, ps.get_pipeline_model_parallel_world_size() - 1)
+            dist.broadcast(logprobs, src=last_stage, group=group)
         results.append(logprobs)
     return results

@@ -18,6 +18,7 @@ from rlmega.algos import (
 from rlmega.algos._utils import masked_mean
 from rlmega.workers.batching import MicroBatch, SequenceBatch, padded_field, split_padded
 from rlmega.workers.config import CriticLossConfig, PolicyLossConfig
+from rlmega.workers.context_parallel import gather_response_values
 from rlmega.workers.logprobs import vocab_parallel_logprobs
 from rlmega.workers.passes import Head, HeadResult
 
@@ -29,14 +30,21 @@ def _response_rows(micro_batch: MicroBatch, output: torch.Tensor) -> torch.Tenso
 
 
 def _logprobs(micro_batch: MicroBatch, output: torch.Tensor, vocab_size: int, chunk_tokens: int):
+    """``[N]`` log-probs and entropies of the micro-batch's response tokens (gathered over CP ranks)."""
     from megatron.core import parallel_state as ps
 
     rows = _response_rows(micro_batch, output)
-    return vocab_parallel_logprobs(
+    logp, entropy = vocab_parallel_logprobs(
         rows, micro_batch.response_targets.to(rows.device), vocab_size=vocab_size,
         vocab_start=ps.get_tensor_model_parallel_rank() * rows.shape[-1],
         group=ps.get_tensor_model_parallel_group(), chunk_tokens=chunk_tokens, with_entropy=True,
     )
+    return gather_response_values(logp, micro_batch), gather_response_values(entropy, micro_batch)
+
+
+def _values(micro_batch: MicroBatch, output: torch.Tensor) -> torch.Tensor:
+    """``[N]`` values at the micro-batch's response-predicting positions (gathered over CP ranks)."""
+    return gather_response_values(_response_rows(micro_batch, output)[:, 0].float(), micro_batch)
 
 
 def _attached(output: torch.Tensor) -> torch.Tensor:
@@ -58,7 +66,7 @@ def value_head() -> Head:
     """Per-token values of the response positions (critic, forward only)."""
 
     def head(micro_batch: MicroBatch, output: torch.Tensor) -> HeadResult:
-        return HeadResult(loss=_attached(output), outputs={"values": _response_rows(micro_batch, output)[:, 0].float()})
+        return HeadResult(loss=_attached(output), outputs={"values": _values(micro_batch, output)})
 
     return head
 
@@ -130,7 +138,7 @@ def critic_head(batch: SequenceBatch, config: CriticLossConfig, *, backward_scal
     denominators = global_denominators(batch)
 
     def head(micro_batch: MicroBatch, output: torch.Tensor) -> HeadResult:
-        values = split_padded(_response_rows(micro_batch, output)[:, 0].float(), micro_batch.response_lengths)
+        values = split_padded(_values(micro_batch, output), micro_batch.response_lengths)
         device = values.device
         loss, metrics = clipped_value_loss(
             values, _field(batch, "values", micro_batch, device), _field(batch, "returns", micro_batch, device),

@@ -44,7 +44,7 @@ def run_schedule(chunks: list, micro_batches: list[MicroBatch], head: Head, *, f
         mask = micro_batch.attention_mask
         output = model(
             micro_batch.tokens.to(device), micro_batch.position_ids.to(device),
-            None if mask is None else mask.to(device), packed_seq_params=micro_batch.packed_seq_params,
+            None if mask is None else mask.to(device), packed_seq_params=_on(micro_batch.packed_seq_params, device),
         )
 
         def loss_func(output_tensor):
@@ -54,13 +54,13 @@ def run_schedule(chunks: list, micro_batches: list[MicroBatch], head: Head, *, f
 
         return output, loss_func
 
-    shape = micro_batches[0].tokens.shape
+    shape = micro_batches[0].tokens.shape  # under context parallelism, this rank's share of the sequence
     results = get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=[iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches),
         model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=len(micro_batches),
-        seq_length=shape[1], micro_batch_size=shape[0],
+        seq_length=shape[1] * ps.get_context_parallel_world_size(), micro_batch_size=shape[0],
         forward_only=forward_only,
     )
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
@@ -68,11 +68,22 @@ def run_schedule(chunks: list, micro_batches: list[MicroBatch], head: Head, *, f
     return [item["result"] for item in results]
 
 
+def _on(packed_seq_params, device):
+    """THD parameters with their ``cu_seqlens`` tensors on ``device`` (transformer-engine reads them there)."""
+    if packed_seq_params is None or device is None:
+        return packed_seq_params
+    moved = {field.name: getattr(packed_seq_params, field.name).to(device)
+             for field in dataclasses.fields(packed_seq_params) if torch.is_tensor(getattr(packed_seq_params, field.name))}
+    return dataclasses.replace(packed_seq_params, **moved)
+
+
 def reporting_rank() -> bool:
-    """One rank per data-parallel replica reports results: last pipeline stage, TP rank 0."""
+    """One rank per data-parallel replica reports results: last pipeline stage, TP and CP rank 0
+    (the heads gather context-parallel shares, so every CP rank has the whole results)."""
     from megatron.core import parallel_state as ps
 
-    return ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+    return (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0)
 
 
 def combine_metrics(results: list[Optional[HeadResult]], micro_batches: list[MicroBatch]) -> dict[str, float]:
@@ -83,7 +94,7 @@ def combine_metrics(results: list[Optional[HeadResult]], micro_batches: list[Mic
     sums = torch.zeros(len(means) + len(totals) + 1, dtype=torch.float64)
     if reporting_rank():
         for result, micro_batch in zip(results, micro_batches):
-            weight = float(micro_batch.response_targets.numel())
+            weight = float(sum(micro_batch.response_lengths))  # all its tokens, also under context parallelism
             sums[-1] += weight
             for slot, name in enumerate(means):
                 if name in result.metrics and weight:

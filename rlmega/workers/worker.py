@@ -28,6 +28,7 @@ from rlmega.workers.batching import (
     MicroBatch, SequenceBatch, balance_across_ranks, build_micro_batch, count_micro_batches, split_by_token_budget,
 )
 from rlmega.workers.config import WorkerConfig
+from rlmega.workers.context_parallel import split_micro_batch
 from rlmega.workers.model import build_model, build_optimizer, resolve_dtype
 from rlmega.workers.offload import HostOffload, model_tensors, optimizer_tensors
 from rlmega.workers.passes import combine_metrics, run_schedule, scatter_outputs
@@ -40,11 +41,6 @@ class MegatronWorker:
         """Build this rank's model (and optimizer, for roles that train) in ``layout``; Megatron's
         process groups must exist (``rlmega.parallel.layout.initialize``). ``hf_dir`` loads HF
         weights through the bridge; ``total_steps`` is the default length of decaying LR schedules."""
-        if layout.cp > 1:
-            raise NotImplementedError(
-                f"context parallelism (cp={layout.cp}) is not supported by the worker yet: sequences are not split "
-                "over CP ranks; use cp=1"
-            )
         self.spec, self.layout, self.config = spec, layout, config
         self.chunks, self.transformer_config = build_model(spec, layout, config)
         if hf_dir is not None:
@@ -178,21 +174,27 @@ class MegatronWorker:
     # ---- batching -------------------------------------------------------------------------
 
     def _micro_batches(self, batch: SequenceBatch) -> list[MicroBatch]:
-        """This rank's micro-batches: its data-parallel share, split by the token budget.
+        """This rank's micro-batches: its data-parallel share, split by the token budget, and under
+        context parallelism its share of each micro-batch's tokens.
 
         Every rank holds the whole batch and computes every rank's plan, so micro-batch counts and
         (with pipeline stages) shapes agree without communication."""
         from megatron.core import parallel_state as ps
 
-        settings = self.config.batching
-        lengths = batch.lengths
+        settings, cp = self.config.batching, self.layout.cp
+        use_thd = settings.packing and has_transformer_engine() and torch.cuda.is_available()
+        # THD context parallelism splits every sequence in 2*cp chunks, so each gets a slot of a multiple of that.
+        segment_multiple = 2 * cp if use_thd and cp > 1 else 1
+        lengths = [-(-n // segment_multiple) * segment_multiple for n in batch.lengths]
         shards = balance_across_ranks(lengths, ps.get_data_parallel_world_size())
-        count = max(count_micro_batches([lengths[i] for i in shard], settings.max_tokens_per_microbatch) for shard in shards)
+        budget = settings.max_tokens_per_microbatch * cp  # the budget is per rank; CP ranks share a micro-batch
+        count = max(count_micro_batches([lengths[i] for i in shard], budget) for shard in shards)
         count = max(count, settings.min_microbatches)
         if self.layout.virtual_stages > 1:  # the interleaved schedule runs micro-batches in groups of pp
             count = -(-max(count, self.layout.pp) // self.layout.pp) * self.layout.pp
         plans = [split_by_token_budget(shard, lengths, count) for shard in shards]
-        multiple = self.layout.tp if self.transformer_config.sequence_parallel else 1
+        # Sequence parallelism splits a rank's tokens over tp; context parallelism a row in 2*cp chunks.
+        multiple = (self.layout.tp if self.transformer_config.sequence_parallel else 1) * (2 * cp if cp > 1 else 1)
         shape = None
         if self.layout.pp > 1:  # stages exchange activations of one fixed shape
             if settings.packing:
@@ -200,11 +202,14 @@ class MegatronWorker:
             else:
                 shape = (max(len(group) for plan in plans for group in plan), max(lengths))
             shape = (shape[0], -(-max(shape[1], 1) // multiple) * multiple)
-        use_thd = settings.packing and has_transformer_engine() and torch.cuda.is_available()
-        return [
-            build_micro_batch(batch, group, packing=settings.packing, pad_to_multiple=multiple, shape=shape, use_thd=use_thd)
+        micro_batches = [
+            build_micro_batch(batch, group, packing=settings.packing, pad_to_multiple=multiple, shape=shape,
+                              use_thd=use_thd, segment_multiple=segment_multiple)
             for group in plans[ps.get_data_parallel_rank()]
         ]
+        if cp > 1:
+            micro_batches = [split_micro_batch(mb, cp, ps.get_context_parallel_rank()) for mb in micro_batches]
+        return micro_batches
 
     # ---- memory ---------------------------------------------------------------------------
 

@@ -134,14 +134,14 @@ def _reference_attention(q, k, v, scale, blocked_keys=()):
     return out.reshape(s, b, n * v.shape[-1])
 
 
-def test_mla_core_attention_matches_explicit_causal_softmax_with_distinct_head_sizes():
+def test_torch_core_attention_matches_explicit_causal_softmax_with_distinct_head_sizes():
     from megatron.core.transformer.enums import AttnMaskType
 
-    from rlmega.models.mla_attention import MLACoreAttention
+    from rlmega.models.core_attention import TorchCoreAttention
 
     config = model_spec_from_hf(_hf_dict()).transformer_config(ParallelLayout(world_size=1))
     scale = 0.123
-    attention = MLACoreAttention(
+    attention = TorchCoreAttention(
         config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
         softmax_scale=scale, k_channels=24, v_channels=16,
     ).eval()

@@ -39,7 +39,7 @@ def test_overrides_and_algorithm_groups_apply(run_dir):
     ("rollout.placement=everywhere", "rollout.placement"),
     ("algorithm.name=sarsa", "algorithm.name"),
     ("layout.tp=3", "layout"),
-    ("layout.cp=2", "layout.cp"),
+    ("layout.cp=0", "cp"),
     ("data.files=[/nonexistent.parquet]", "data.files"),
     ("rollout.n=1", "rollout.n"),
     ("actor.optimizer.lr_schedule=sawtooth", "lr_schedule"),

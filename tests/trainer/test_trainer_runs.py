@@ -55,7 +55,8 @@ def _comparable(row):
     ["algo=ppo", "rollout.placement=disaggregated", "trainer.total_steps=2"],
     ["algo=reinforce_plus_plus", "trainer.total_steps=1", "layout.tp=1"],
     ["algo=rloo", "trainer.total_steps=1", "layout.tp=1", "layout.world_size=1"],
-], ids=["grpo-colocated", "dapo-disaggregated-2-engines", "ppo-critic", "reinforce++", "rloo"])
+    ["algo=grpo", "trainer.total_steps=1", "layout.tp=1", "layout.cp=2"],
+], ids=["grpo-colocated", "dapo-disaggregated-2-engines", "ppo-critic", "reinforce++", "rloo", "grpo-cp2"])
 def test_algorithms_and_placements_run(tmp_path, assets, overrides):
     result = _train(tmp_path / "run", assets, *overrides)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

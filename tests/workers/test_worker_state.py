@@ -137,8 +137,9 @@ def test_half_written_checkpoint_is_never_the_latest(llama, saved, tmp_path):
         run_on_ranks(_resume_body, 1, timeout_s=TIMEOUT_S, args=(ParallelLayout(), str(llama), str(tmp_path)))
 
 
-@pytest.mark.parametrize("layout_args", [dict(tp=2, world_size=2), dict(world_size=1), dict(pp=2, world_size=2)],
-                         ids=["same-tp2", "tp1", "pp2"])
+@pytest.mark.parametrize("layout_args", [dict(tp=2, world_size=2), dict(world_size=1), dict(pp=2, world_size=2),
+                                         dict(cp=2, world_size=2)],
+                         ids=["same-tp2", "tp1", "pp2", "cp2"])
 def test_resume_gives_the_identical_next_step(llama, saved, layout_args):
     root, _, expected_metrics, expected_weights = saved
     layout = ParallelLayout(**layout_args)
@@ -185,8 +186,9 @@ def _hf_values(hf_dir, batch, hidden_size):
     return values
 
 
-def test_critic_values_match_a_reference_forward_and_value_loss_falls(llama):
-    layout = ParallelLayout(tp=2, world_size=2)
+@pytest.mark.parametrize("layout_args", [dict(tp=2, world_size=2), dict(cp=2, world_size=2)], ids=["tp2", "cp2"])
+def test_critic_values_match_a_reference_forward_and_value_loss_falls(llama, layout_args):
+    layout = ParallelLayout(**layout_args)
     expected = _hf_values(llama, make_batch(), 64)
     for values, num_heads, losses in run_on_ranks(_critic_body, 2, timeout_s=TIMEOUT_S, args=(layout, str(llama))):
         assert num_heads == 1  # one value head, on the last stage

@@ -80,6 +80,11 @@ CASES = {
     "4-microbatches": ("llama", dict(world_size=1), _config(min_microbatches=4)),
     "padded": ("llama", dict(world_size=1), _config(packing=False)),
     "ep2-moe": ("qwen3-moe", dict(ep=2, world_size=2), None),
+    "cp2": ("llama", dict(cp=2, world_size=2), None),
+    "cp2-padded": ("llama", dict(cp=2, world_size=2), _config(packing=False)),
+    "cp2-4-microbatches": ("llama", dict(cp=2, world_size=2), _config(min_microbatches=4)),
+    "tp2-cp2": ("llama", dict(tp=2, cp=2, world_size=4), None),
+    "cp2-ep2-moe": ("qwen3-moe", dict(cp=2, ep=2, world_size=2), None),
 }
 
 
