@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from rlmega.sync.buckets import NamedTensors, layout, pack, unpack
-from rlmega.sync.control import Address, Channel, Watch, report_failure
+from rlmega.sync.control import Address, Channel, Watch, receive_stream
 from rlmega.sync.errors import TransportError
 from rlmega.sync.transports import DEFAULT_TIMEOUT_S, in_thread, start_update
 
@@ -160,35 +160,21 @@ class BroadcastReceiver:
     backend: str
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        channel = None
-        finished = False
+        group = buffer = None
+
+        def take_bucket(channel: Channel, index: int, payload: tuple):
+            nonlocal group, buffer
+            nbytes, metas = payload
+            if group is None:
+                group = _group(channel.store, self.rank, self.world_size, self.backend, self.address.timeout_s)
+            if buffer is None or buffer.numel() < nbytes:
+                buffer = None
+                buffer = torch.empty(nbytes, dtype=torch.uint8, device=_device(self.backend))
+            flat = buffer[:nbytes]
+            _broadcast_from_rank0(group, flat).wait()
+            yield from unpack(flat, metas)
+
         try:
-            channel = Channel.connect(self.address)
-            group, buffer, index = None, None, 0
-            while True:
-                message = channel.get(f"bucket/{index}")
-                if message[0] == "end":
-                    finished = True
-                    channel.post(f"done/{self.rank}", None)
-                    return
-                if message[0] == "abort":
-                    raise TransportError(f"the sender aborted the update: {message[1]}")
-                _, nbytes, metas = message
-                if group is None:
-                    group = _group(channel.store, self.rank, self.world_size, self.backend, self.address.timeout_s)
-                if buffer is None or buffer.numel() < nbytes:
-                    buffer = None
-                    buffer = torch.empty(nbytes, dtype=torch.uint8, device=_device(self.backend))
-                flat = buffer[:nbytes]
-                _broadcast_from_rank0(group, flat).wait()
-                yield from unpack(flat, metas)
-                index += 1
-        except GeneratorExit:
-            if not finished:
-                report_failure(channel, self.rank, TransportError("the engine stopped consuming the stream before its end"))
-            raise
-        except BaseException as error:
-            report_failure(channel, self.rank, error)
-            raise
+            yield from receive_stream(self.address, self.rank, take_bucket)
         finally:
             group = buffer = None  # leave the group now: a sender still broadcasting to us fails at once

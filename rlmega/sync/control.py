@@ -21,7 +21,7 @@ import pickle
 import secrets
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -151,3 +151,35 @@ def report_failure(channel: Optional[Channel], rank: int, error: BaseException) 
         channel.post("fail", f"receiver {rank}: {type(error).__name__}: {error}")
     except Exception:  # the sender may be gone already; the original error is what matters
         pass
+
+
+def receive_stream(address: Address, rank: int, take_bucket: Callable[[Channel, int, tuple], Iterator]) -> Iterator:
+    """Receiver ``rank``'s side of one update: reads ``bucket/{i}`` messages in order and lets
+    ``take_bucket(channel, i, payload)`` yield each bucket's ``(hf_name, tensor)`` pairs.
+
+    Ends cleanly only at the sender's end of stream (then posts ``done/{rank}``); raises
+    ``TransportError`` if the sender aborts. Any failure, including the engine dropping the stream
+    before its end, is reported to the sender before it propagates.
+    """
+    channel = None
+    finished = False
+    try:
+        channel = Channel.connect(address)
+        index = 0
+        while True:
+            message = channel.get(f"bucket/{index}")
+            if message[0] == "end":
+                finished = True
+                channel.post(f"done/{rank}", None)
+                return
+            if message[0] == "abort":
+                raise TransportError(f"the sender aborted the update: {message[1]}")
+            yield from take_bucket(channel, index, message[1:])
+            index += 1
+    except GeneratorExit:
+        if not finished:
+            report_failure(channel, rank, TransportError("the engine stopped consuming the stream before its end"))
+        raise
+    except BaseException as error:
+        report_failure(channel, rank, error)
+        raise

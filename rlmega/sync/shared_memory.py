@@ -23,8 +23,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from rlmega.sync.buckets import ALIGN_BYTES, NamedTensors, layout, pack, unpack
-from rlmega.sync.control import Address, Channel, Watch, report_failure
-from rlmega.sync.errors import TransportError
+from rlmega.sync.control import Address, Channel, Watch, receive_stream
 from rlmega.sync.transports import DEFAULT_TIMEOUT_S, start_update
 
 SHM_PREFIX = "rlmega-sync-"
@@ -195,32 +194,17 @@ class SharedMemoryReceiver:
     rank: int
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        channel = None
-        finished = False
-        try:
-            channel = Channel.connect(self.address)
-            region, generation, index = None, None, 0
-            while True:
-                message = channel.get(f"bucket/{index}")
-                if message[0] == "end":
-                    finished = True
-                    channel.post(f"done/{self.rank}", None)
-                    return
-                if message[0] == "abort":
-                    raise TransportError(f"the sender aborted the update: {message[1]}")
-                _, handle, offset, metas = message
-                if handle.generation != generation:
-                    region = None  # unmap the old region before mapping the new one
-                    region, generation = handle.open(), handle.generation
-                yield from unpack(region[offset:], metas)
-                if region.is_cuda:
-                    torch.cuda.synchronize(region.device)  # copies out of the slot are done before it is reused
-                channel.post(f"ack/{self.rank}/{index}", None)
-                index += 1
-        except GeneratorExit:
-            if not finished:
-                report_failure(channel, self.rank, TransportError("the engine stopped consuming the stream before its end"))
-            raise
-        except BaseException as error:
-            report_failure(channel, self.rank, error)
-            raise
+        region, generation = None, None
+
+        def take_bucket(channel: Channel, index: int, payload: tuple):
+            nonlocal region, generation
+            handle, offset, metas = payload
+            if handle.generation != generation:
+                region = None  # unmap the old region before mapping the new one
+                region, generation = handle.open(), handle.generation
+            yield from unpack(region[offset:], metas)
+            if region.is_cuda:
+                torch.cuda.synchronize(region.device)  # copies out of the slot are done before it is reused
+            channel.post(f"ack/{self.rank}/{index}", None)
+
+        return receive_stream(self.address, self.rank, take_bucket)
