@@ -51,6 +51,12 @@ def _positive(text: str) -> int:
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
 
+def _add_output_options(parser: argparse.ArgumentParser) -> None:
+    """What every conversion that writes a directory takes."""
+    parser.add_argument("--overwrite", action="store_true", help="replace the output directory if it exists")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = DESCRIPTION
     parser.epilog = EPILOG
@@ -72,8 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "peak memory is about twice this plus the largest tensor (default: 1GiB)")
     to_hf.add_argument("--shard-size", type=_size, default="5GiB", help="largest safetensors file (default: 5GiB)")
     to_hf.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="cast the weights (default: as stored)")
-    to_hf.add_argument("--overwrite", action="store_true", help="replace the output directory if it exists")
-    to_hf.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_output_options(to_hf)
     to_hf.set_defaults(conversion_run=_run_mcore_to_hf)
 
     to_mcore = commands.add_parser(
@@ -94,8 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="write Megatron's training layout, OUTPUT/iter_NNNNNNN/ + latest_checkpointed_iteration.txt "
                           "(default: the checkpoint directly in OUTPUT)")
     to_mcore.add_argument("--timeout", type=float, default=3600.0, help="seconds before the ranks are stopped (default: 3600)")
-    to_mcore.add_argument("--overwrite", action="store_true", help="replace the output directory if it exists")
-    to_mcore.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_output_options(to_mcore)
     to_mcore.set_defaults(conversion_run=_run_hf_to_mcore)
 
     check = commands.add_parser(

@@ -15,7 +15,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
@@ -130,23 +130,13 @@ def _check_against_base(units: list[Unit], spec, expected: dict, hf_base: Path) 
         )
 
 
-def _buckets(units: list[Unit], bucket_bytes: int) -> Iterator[list[Unit]]:
-    bucket, size = [], 0
-    for unit in units:
-        if bucket and size + unit.read_bytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(unit)
-        size += unit.read_bytes
-    if bucket:
-        yield bucket
-
-
 def _read_ahead(checkpoint: MegatronCheckpoint, units: list[Unit], bucket_bytes: int):
     """(bucket, iterator over its tensors), reading bucket n+1 on a thread while bucket n is
     converted and written: file reads and writes release the GIL, so they overlap. Two buckets
     are in memory at a time."""
-    buckets = list(_buckets(units, bucket_bytes))
+    from rlmega.bridge.export import bucketed
+
+    buckets = list(bucketed(units, lambda unit: unit.read_bytes, bucket_bytes))
 
     def read(bucket):
         return checkpoint.read([region for unit in bucket for region in unit.param.parts])

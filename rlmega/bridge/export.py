@@ -10,7 +10,7 @@ every rank), packed in buckets of at most ``bucket_bytes`` (a tensor larger than
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -88,14 +88,15 @@ def _announce(exported: dict, spec: ModelSpec) -> list[_Unit]:
     return [unit for units in everyone for unit in units]
 
 
-def _buckets(units: list[_Unit], bucket_bytes: int) -> Iterator[list[_Unit]]:
+def bucketed(items: list, size_of: Callable[[object], int], bucket_bytes: int) -> Iterator[list]:
+    """``items`` in order, grouped so that no group exceeds ``bucket_bytes`` unless one item alone does."""
     bucket, size = [], 0
-    for unit in units:
-        if bucket and size + unit.nbytes > bucket_bytes:
+    for item in items:
+        if bucket and size + size_of(item) > bucket_bytes:
             yield bucket
             bucket, size = [], 0
-        bucket.append(unit)
-        size += unit.nbytes
+        bucket.append(item)
+        size += size_of(item)
     if bucket:
         yield bucket
 
@@ -175,7 +176,7 @@ def export_hf_buckets(
             raise ValueError(f"destinations {invalid} are not ranks of this job (world size {dist.get_world_size()})")
     geometry = geometry_of(spec)
     exported = _exported_params(chunks, spec)
-    for bucket in _buckets(_announce(exported, spec), bucket_bytes):
+    for bucket in bucketed(_announce(exported, spec), lambda unit: unit.nbytes, bucket_bytes):
         for owner in sorted({unit.owner for unit in bucket}):
             units = [unit for unit in bucket if unit.owner == owner]
             payload = _fill(units, exported, geometry)
