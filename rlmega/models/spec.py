@@ -7,15 +7,14 @@ a parallel layout.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import functools
 import importlib.util
 import math
 from typing import Any, Optional
 
 import torch
 
+from rlmega.models.mtp_model import gpt_model_with_mtp
 from rlmega.parallel.layout import ParallelLayout
 
 VOCAB_DIVISIBLE_BY = 128
@@ -164,33 +163,6 @@ class ModelSpec:
         return get_gpt_mtp_block_spec(config, layer_spec, has_transformer_engine(), vp_stage=vp_stage)
 
 
-@functools.cache
-def _gpt_model_with_mtp():
-    """GPTModel whose forward without labels skips MTP and returns the main logits.
-
-    Megatron-Core 0.16 runs the MTP layers and their loss whenever ``mtp_num_layers`` is set, and
-    calls ``labels.clone()`` for it; logits-only forwards (log-probabilities, evaluation) have no
-    labels, and MTP never changes the main logits. (The MTP layers then get no gradient: a step
-    that should train them must pass labels.)
-    """
-    from megatron.core.models.gpt import GPTModel
-
-    class GPTModelWithMTP(GPTModel):
-        def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
-            if labels is not None:
-                return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
-            # A config without MTP for this module's _postprocess only; its layers keep the shared one.
-            shared_config, self.config = self.config, copy.copy(self.config)
-            self.config.mtp_num_layers = None
-            kwargs["mtp_in_postprocess"] = False
-            try:
-                return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
-            finally:
-                self.config = shared_config
-
-    return GPTModelWithMTP
-
-
 def build_chunks(spec: ModelSpec, layout: ParallelLayout, config=None) -> list:
     """This rank's GPTModel chunks (one per virtual pipeline stage), not yet wrapped in DDP.
 
@@ -200,7 +172,7 @@ def build_chunks(spec: ModelSpec, layout: ParallelLayout, config=None) -> list:
     from megatron.core.models.gpt import GPTModel
 
     config = config or spec.transformer_config(layout)
-    model_class = _gpt_model_with_mtp() if spec.mtp_num_layers else GPTModel
+    model_class = gpt_model_with_mtp() if spec.mtp_num_layers else GPTModel
     virtual = layout.virtual_stages > 1
     chunks = []
     for vp_stage in range(layout.virtual_stages):

@@ -119,6 +119,14 @@ def test_spec_sets_mtp_layers_and_keeps_models_without_mtp_unchanged():
     assert without.mtp_block_spec(config=None) is None
 
 
+def test_mtp_model_is_gated_to_the_checked_megatron_core_release():
+    from rlmega.models.mtp_model import check_mcore_version
+
+    check_mcore_version("0.16.1")
+    with pytest.raises(RuntimeError, match=r"megatron-core 0\.16\.x defines it, not 0\.17\.0's"):
+        check_mcore_version("0.17.0")
+
+
 @pytest.mark.parametrize("overrides, message", [
     (dict(tie_word_embeddings=True), r"tie_word_embeddings=true with num_nextn_predict_layers > 0"),
     (dict(first_k_dense_replace=5), r"first_k_dense_replace=5 > num_hidden_layers"),
