@@ -52,12 +52,12 @@ def _measure(rank: int, world_size: int, hf_config: dict, tp: int, bucket_bytes:
 
     source, target = torch.empty(256 * MIB, dtype=torch.uint8), torch.empty(256 * MIB, dtype=torch.uint8)
     memcpy_s = _best_seconds(lambda: target.copy_(source))
-    del source, target
+    source = target = None  # free them before the model is built
 
     shard = torch.empty(128 * MIB, dtype=torch.uint8)
     gathered = torch.empty(128 * MIB * world_size, dtype=torch.uint8)
     allgather_s = _best_seconds(lambda: dist.all_gather_into_tensor(gathered, shard))
-    del shard, gathered
+    shard = gathered = None
 
     spec = model_spec_from_hf(hf_config)
     chunks = build_chunks(spec, layout)
