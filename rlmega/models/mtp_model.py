@@ -15,17 +15,17 @@ from __future__ import annotations
 import copy
 import functools
 
+from rlmega.parallel.mcore_version import require_checked
+
 CHECKED_MCORE_VERSIONS = ((0, 16),)
 
 
 def check_mcore_version(version: str) -> None:
-    major_minor = tuple(int(part) for part in version.split(".")[:2])
-    if major_minor not in CHECKED_MCORE_VERSIONS:
-        checked = ", ".join(f"{a}.{b}.x" for a, b in CHECKED_MCORE_VERSIONS)
-        raise RuntimeError(
-            f"models with MTP layers override GPTModel._postprocess as megatron-core {checked} defines it, "
-            f"not {version}'s; install 'megatron-core==0.16.*' or drop the MTP layers (num_nextn_predict_layers=0)"
-        )
+    require_checked(
+        version, CHECKED_MCORE_VERSIONS,
+        "models with MTP layers override GPTModel._postprocess as megatron-core {checked} defines it, "
+        "not {version}'s; install 'megatron-core==0.16.*' or drop the MTP layers (num_nextn_predict_layers=0)",
+    )
 
 
 @functools.cache

@@ -21,6 +21,8 @@ import warnings
 import torch
 from torch.overrides import TorchFunctionMode
 
+from rlmega.parallel.mcore_version import require_checked
+
 logger = logging.getLogger(__name__)
 
 # (major, minor) releases of megatron-core whose CUDA-only calls were audited for this module.
@@ -256,13 +258,11 @@ def _patch_mla_without_te():
 
 def check_mcore_version(version: str) -> None:
     """Refuse megatron-core releases whose CUDA-only calls were not audited."""
-    major_minor = tuple(int(part) for part in version.split(".")[:2])
-    if major_minor not in CHECKED_MCORE_VERSIONS:
-        checked = ", ".join(f"{a}.{b}.x" for a, b in CHECKED_MCORE_VERSIONS)
-        raise RuntimeError(
-            f"rlmega's CPU platform was checked on megatron-core {checked}, not {version}; "
-            f"install a checked release (pip install 'megatron-core==0.16.*') or run on a GPU."
-        )
+    require_checked(
+        version, CHECKED_MCORE_VERSIONS,
+        "rlmega's CPU platform was checked on megatron-core {checked}, not {version}; "
+        "install a checked release (pip install 'megatron-core==0.16.*') or run on a GPU.",
+    )
 
 
 def enable() -> bool:
