@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 
+from rlmega.trainer import metric_backends
 from rlmega.trainer import metrics as metrics_mod
 from rlmega.trainer import plots
 from rlmega.trainer.metrics import MetricsConfig, MetricsTracker, batch_metrics
@@ -294,7 +295,7 @@ def test_batch_metrics_mask_with_holes_and_sequence_advantages():
 
 
 def test_metrics_modules_import_neither_megatron_nor_ray():
-    for module in (metrics_mod, plots):
+    for module in (metrics_mod, metric_backends, plots):
         tree = ast.parse(open(module.__file__).read())
         imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
