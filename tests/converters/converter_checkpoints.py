@@ -16,6 +16,7 @@ TIMEOUT_S = 180
 CASES = {
     "moe-tp2-pp2-ep2": ("qwen3-moe", dict(tp=2, pp=2, ep=2, world_size=4)),
     "dense-tp2-pp2-vpp2": ("qwen2-tied", dict(tp=2, pp=2, vpp=2, world_size=4)),
+    "dense-tp2-cp2": ("llama", dict(tp=2, cp=2, world_size=4)),  # CP ranks hold replicas
 }
 
 
