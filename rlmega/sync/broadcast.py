@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from rlmega.sync.buckets import NamedTensors, layout, pack, unpack
-from rlmega.sync.control import Address, Channel, Watch, receive_stream
+from rlmega.sync.control import Address, Channel, Watch, abort_stream, end_stream, receive_stream
 from rlmega.sync.errors import TransportError
 from rlmega.sync.transports import DEFAULT_TIMEOUT_S, in_thread, start_update
 
@@ -107,18 +107,10 @@ class BroadcastTransport:
     def finish(self) -> None:
         self._complete(self._sent % 2)
         self._complete((self._sent + 1) % 2)
-        self._channel.post(f"bucket/{self._sent}", ("end",))
-        done = [f"done/{rank}" for rank in range(1, self._num_receivers + 1)]
-        self._watch.until(lambda: self._channel.has(done), "the receivers to reach the end of the stream", finishing=True)
-        self._watch.finish()
+        end_stream(self._channel, self._watch, self._sent, range(1, self._num_receivers + 1))
 
     def abort(self, reason: str) -> None:
-        if self._channel is not None:
-            try:
-                self._channel.post(f"bucket/{self._sent}", ("abort", reason))
-            except Exception:  # the store may be unusable; receivers then fail on their own
-                pass
-            self._watch.settle()
+        abort_stream(self._channel, self._watch, self._sent, reason)
 
     def close(self) -> None:
         self._group = None

@@ -143,6 +143,26 @@ class Watch:
         self.check(finishing=True)
 
 
+def end_stream(channel: Channel, watch: Watch, index: int, ranks: Sequence[int]) -> None:
+    """Sender: announce the end as ``bucket/{index}``, then wait until every receiver in ``ranks``
+    has reached it and every engine has committed the update."""
+    channel.post(f"bucket/{index}", ("end",))
+    done = [f"done/{rank}" for rank in ranks]
+    watch.until(lambda: channel.has(done), "the receivers to reach the end of the stream", finishing=True)
+    watch.finish()
+
+
+def abort_stream(channel: Optional[Channel], watch: Watch, index: int, reason: str) -> None:
+    """Sender, best effort: tell the receivers the update is off, and let the engines' calls end."""
+    if channel is None:
+        return
+    try:
+        channel.post(f"bucket/{index}", ("abort", reason))
+    except Exception:  # the store may be unusable; receivers then fail on their own
+        pass
+    watch.settle()
+
+
 def report_failure(channel: Optional[Channel], rank: int, error: BaseException) -> None:
     """Best effort: tell the sender why this receiver stopped."""
     if channel is None:

@@ -23,7 +23,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from rlmega.sync.buckets import ALIGN_BYTES, NamedTensors, layout, pack, unpack
-from rlmega.sync.control import Address, Channel, Watch, receive_stream
+from rlmega.sync.control import Address, Channel, Watch, abort_stream, end_stream, receive_stream
 from rlmega.sync.transports import DEFAULT_TIMEOUT_S, start_update
 
 SHM_PREFIX = "rlmega-sync-"
@@ -151,18 +151,10 @@ class SharedMemoryTransport:
         self._sent += 1
 
     def finish(self) -> None:
-        self._channel.post(f"bucket/{self._sent}", ("end",))
-        done = [f"done/{rank}" for rank in range(self._num_receivers)]
-        self._watch.until(lambda: self._channel.has(done), "the receivers to reach the end of the stream", finishing=True)
-        self._watch.finish()
+        end_stream(self._channel, self._watch, self._sent, range(self._num_receivers))
 
     def abort(self, reason: str) -> None:
-        if self._channel is not None:
-            try:
-                self._channel.post(f"bucket/{self._sent}", ("abort", reason))
-            except Exception:  # the store may be unusable; receivers then fail on their own
-                pass
-            self._watch.settle()
+        abort_stream(self._channel, self._watch, self._sent, reason)
 
     def close(self) -> None:
         if self._region is not None:
