@@ -84,6 +84,7 @@ CASES = {
     "cp2-padded": ("llama", dict(cp=2, world_size=2), _config(packing=False)),
     "cp2-4-microbatches": ("llama", dict(cp=2, world_size=2), _config(min_microbatches=4)),
     "tp2-cp2": ("llama", dict(tp=2, cp=2, world_size=4), None),
+    "pp2-cp2": ("llama", dict(pp=2, cp=2, world_size=4), None),  # stages exchange CP-split activations
     "cp2-ep2-moe": ("qwen3-moe", dict(cp=2, ep=2, world_size=2), None),
 }
 
