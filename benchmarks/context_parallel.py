@@ -15,12 +15,11 @@ so it is the activations and temporaries (plus, for the update, Adam's state, cr
 step: under 50 MiB for this model). At cp=2 each rank holds half of the sequence (zigzag split) and
 its attention scores are [S/2, S] instead of [S, S].
 
-Without transformer-engine, cp=1 attends with Megatron's local ``DotProductAttention`` and cp=2
-with ``rlmega.models.core_attention.TorchCoreAttention`` (the local one refuses CP). They differ:
-Megatron's keeps a persistent global buffer the size of the score matrix as ``baddbmm``'s input
-(allocated in the warm-up, so it is not in the rise above the baseline, but it is in the total).
-So cp=1 runs twice: as rlmega runs it, and with ``TorchCoreAttention`` forced ("cp=1 torch"), the
-same code as cp=2 without the sequence split.
+Without transformer-engine rlmega attends with ``rlmega.models.core_attention.TorchCoreAttention``
+(torch's fused ``scaled_dot_product_attention``; under CP after an all-gather of keys and values).
+cp=1 also runs with Megatron's local ``DotProductAttention`` forced ("cp=1 megatron-local"), the
+attention Megatron's local spec would use: it materialises every [S, S] score matrix (and keeps a
+persistent buffer of that size as ``baddbmm``'s input), so the row shows what the fused kernel saves.
 
 Each rank runs with --threads compute threads (default 1), so cp=2 does the same arithmetic as
 cp=1 on twice the threads, split over two processes, plus the key/value all-gathers. As a sanity
@@ -39,8 +38,8 @@ import time
 
 MIB = 1024**2
 PROMPT_TOKENS = 64
-# name: (cp, force TorchCoreAttention)
-CONFIGS = {"cp=1": (1, False), "cp=1 torch": (1, True), "cp=2": (2, False)}
+# name: (cp, force Megatron's local DotProductAttention)
+CONFIGS = {"cp=1 megatron-local": (1, True), "cp=1": (1, False), "cp=2": (2, False)}
 
 
 class PeakRSS:
@@ -84,16 +83,23 @@ def _save_model(directory: str, tokens: int) -> None:
     AutoModelForCausalLM.from_config(config).float().save_pretrained(directory)
 
 
-def _force_torch_attention() -> None:
-    """Make this process build ``TorchCoreAttention`` even at cp=1, as it does under CP."""
+def _force_megatron_attention() -> None:
+    """Make this process build Megatron's local ``DotProductAttention`` instead of rlmega's."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
     from rlmega.models.spec import ModelSpec
 
     layer_spec = ModelSpec.layer_spec
-    ModelSpec.layer_spec = lambda self, *, dense=False, context_parallel=False: layer_spec(
-        self, dense=dense, context_parallel=True)
+
+    def with_megatron_attention(self, *, dense=False):
+        spec = layer_spec(self, dense=dense)
+        spec.submodules.self_attention.submodules.core_attention = DotProductAttention
+        return spec
+
+    ModelSpec.layer_spec = with_megatron_attention
 
 
-def _rank_body(rank, world_size, cp, torch_attention, hf_dir, tokens):
+def _rank_body(rank, world_size, cp, megatron_attention, hf_dir, tokens):
     import torch
 
     from rlmega.models import model_spec_from_hf
@@ -102,8 +108,8 @@ def _rank_body(rank, world_size, cp, torch_attention, hf_dir, tokens):
     from rlmega.workers.config import BatchingConfig, OptimizerConfig, PolicyLossConfig, WorkerConfig
     from rlmega.workers.worker import MegatronWorker
 
-    if torch_attention:
-        _force_torch_attention()
+    if megatron_attention:
+        _force_megatron_attention()
     layout = ParallelLayout(cp=cp, world_size=world_size)
     initialize(layout)
     config = WorkerConfig(
@@ -151,9 +157,9 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as hf_dir:
         _save_model(hf_dir, args.tokens)
-        for name, (cp, torch_attention) in CONFIGS.items():
+        for name, (cp, megatron_attention) in CONFIGS.items():
             results[name] = run_on_ranks(_rank_body, cp, timeout_s=args.timeout,
-                                         args=(cp, torch_attention, hf_dir, args.tokens))
+                                         args=(cp, megatron_attention, hf_dir, args.tokens))
     if args.json:
         print(json.dumps(results, indent=1))
 
@@ -163,14 +169,14 @@ def main() -> None:
             for name, ranks in results.items()}
     print(f"one sequence of {args.tokens} tokens ({PROMPT_TOKENS} prompt), {args.threads} thread(s) per rank; "
           "MiB: peak RSS above the call's start (total: peak RSS), worst rank; s: slowest rank")
-    header = f"{'config':<12}{'ranks':>6}{'forward MiB':>13}{'forward s':>11}{'update MiB':>12}{'update s':>10}{'total MiB':>11}"
+    header = f"{'config':<19}{'ranks':>6}{'forward MiB':>13}{'forward s':>11}{'update MiB':>12}{'update s':>10}{'total MiB':>11}"
     print(header)
     for name, row in rows.items():
-        print(f"{name:<12}{CONFIGS[name][0]:>6}" + "".join(f"{row[key]:>{width}.{digits}f}" for key, width, digits in
+        print(f"{name:<19}{CONFIGS[name][0]:>6}" + "".join(f"{row[key]:>{width}.{digits}f}" for key, width, digits in
                                                            zip(measured, (13, 11, 12, 10, 11), (0, 2, 0, 2, 0))))
     cp2 = rows["cp=2"]
-    for base in ("cp=1", "cp=1 torch"):
-        print(f"{'cp=2 / ' + base:<18}" + "".join(f"{cp2[key] / rows[base][key]:>{width}.2f}" for key, width in
+    for base in ("cp=1", "cp=1 megatron-local"):
+        print(f"{'cp=2 / ' + base:<25}" + "".join(f"{cp2[key] / rows[base][key]:>{width}.2f}" for key, width in
                                                  zip(measured, (13, 11, 12, 10, 11))))
     reference = rows["cp=1"]
     same = all(_close(row[key], reference[key]) for row in rows.values() for key in ("pg_loss", "grad_norm"))

@@ -104,11 +104,11 @@ class ModelSpec:
             return MLATransformerConfig(**fields)
         return TransformerConfig(**fields)
 
-    def layer_spec(self, *, dense: bool = False, context_parallel: bool = False):
-        """Transformer-engine layers where TE is installed, Megatron's local (torch) layers otherwise.
+    def layer_spec(self, *, dense: bool = False):
+        """Transformer-engine layers where TE is installed, Megatron's local (torch) layers otherwise,
+        attending with ``TorchCoreAttention``.
 
         ``dense``: the spec of this model's dense layers when it mixes dense and MoE layers.
-        ``context_parallel``: without TE, the local layers then attend with ``TorchCoreAttention``.
         """
         from megatron.core.models.gpt import gpt_layer_specs
 
@@ -122,19 +122,19 @@ class ModelSpec:
         if has_transformer_engine():
             return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**kwargs)
         spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=self.config["normalization"], **kwargs)
-        if latent or context_parallel:  # the local DotProductAttention can do neither
-            from rlmega.models.core_attention import TorchCoreAttention
+        # Megatron's local DotProductAttention rejects MLA's head sizes and context parallelism, and
+        # materialises every [S, S] score matrix; ours runs torch's fused attention (benchmarks/context_parallel.py).
+        from rlmega.models.core_attention import TorchCoreAttention
 
-            spec.submodules.self_attention.submodules.core_attention = TorchCoreAttention
+        spec.submodules.self_attention.submodules.core_attention = TorchCoreAttention
         return spec
 
     def decoder_spec(self, config, vp_stage: Optional[int] = None):
         """The decoder spec of one model chunk: ``layer_spec()``, or, where dense and MoE layers mix
         (``moe_layer_freq`` is a list of 0/1 per layer), the per-layer specs of this chunk's layers."""
         pattern = self.config.get("moe_layer_freq")
-        context_parallel = config.context_parallel_size > 1
         if not isinstance(pattern, list):
-            return self.layer_spec(context_parallel=context_parallel)
+            return self.layer_spec()
         from megatron.core.transformer.transformer_block import (
             LayerNormImpl,
             TransformerBlockSubmodules,
@@ -142,7 +142,7 @@ class ModelSpec:
         )
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-        dense, moe = self.layer_spec(dense=True, context_parallel=context_parallel), self.layer_spec(context_parallel=context_parallel)
+        dense, moe = self.layer_spec(dense=True), self.layer_spec()
         first = get_transformer_layer_offset(config, vp_stage=vp_stage)
         count = get_num_layers_to_build(config, vp_stage=vp_stage)
         # The same final norm Megatron picks for a plain layer spec.
@@ -159,8 +159,7 @@ class ModelSpec:
             return None
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-        layer_spec = self.layer_spec(context_parallel=config.context_parallel_size > 1)
-        return get_gpt_mtp_block_spec(config, layer_spec, has_transformer_engine(), vp_stage=vp_stage)
+        return get_gpt_mtp_block_spec(config, self.layer_spec(), has_transformer_engine(), vp_stage=vp_stage)
 
 
 def build_chunks(spec: ModelSpec, layout: ParallelLayout, config=None) -> list:

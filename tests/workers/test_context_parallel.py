@@ -134,3 +134,35 @@ def test_cp_attention_equals_whole_sequence_attention_forward_and_backward():
         for name, got_tensor, want_tensor in zip(("out", "dq", "dk", "dv"), got, expected):
             # Key/value gradients sum the contributions of both ranks' queries.
             torch.testing.assert_close(got_tensor, want_tensor[held], atol=ATOL, rtol=0, msg=name)
+
+
+def _dropout_body(rank, world_size):
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from rlmega.parallel.layout import ParallelLayout, destroy, initialize
+
+    initialize(ParallelLayout())
+    q, k, v, weight, mask = _inputs()
+    attention = _attention(None)
+    fused = attention(q, k, v, mask)
+    # The explicit path (used for dropout) is the same attention as the fused kernel...
+    explicit = attention._attend_with_dropout(*(t.permute(1, 2, 0, 3) for t in (q, k.repeat_interleave(2, 2), v.repeat_interleave(2, 2))),
+                                              block_causal_mask([3, 5]) | torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1),
+                                              DIM ** -0.5)
+    explicit = explicit.permute(2, 0, 1, 3).reshape(SEQ, 2, HEADS * DIM)
+    # ...and dropout in training draws from Megatron's RNG stream: reseeding repeats it.
+    attention.dropout.p = 0.5
+    attention.train()
+    model_parallel_cuda_manual_seed(7)
+    first = attention(q, k, v, mask)
+    model_parallel_cuda_manual_seed(7)
+    second = attention(q, k, v, mask)
+    destroy()
+    return fused, explicit, first, second
+
+
+def test_attention_dropout_uses_megatron_rng_and_the_explicit_path_equals_the_fused_one():
+    fused, explicit, first, second = run_on_ranks(_dropout_body, 1, timeout_s=120)[0]
+    torch.testing.assert_close(explicit, fused, atol=ATOL, rtol=0)
+    assert torch.equal(first, second)
+    assert (first - fused).abs().max() > 1e-2  # dropout really applied
