@@ -22,9 +22,10 @@ MICRO_BATCH_SIZE = 2
 NUM_STEPS = 3
 LR = 1e-2
 # Adam divides by sqrt(v) + eps: with the usual 1e-8, gradients of ~1e-10 turn last-bit
-# differences in summation order into visible parameter changes. 1e-4 keeps the comparison about
-# the parallel arithmetic rather than about that amplification.
-ADAM_EPS = 1e-4
+# differences in summation order into visible parameter changes. 1e-3 (as in the worker tests)
+# keeps the comparison about the parallel arithmetic rather than about that amplification; the
+# gradients themselves are compared at rtol 1e-5 before any step.
+ADAM_EPS = 1e-3
 TIMEOUT_S = 240
 
 DENSE = tiny_gpt.TinyGPTSpec()
