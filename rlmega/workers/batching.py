@@ -143,6 +143,12 @@ class MicroBatch:
         return self.tokens.numel()
 
 
+def row_multiple(tp: int, sequence_parallel: bool, cp: int) -> int:
+    """What a row's length must be a multiple of: sequence parallelism splits a rank's tokens over
+    ``tp`` ranks, context parallelism a row into ``2 * cp`` chunks."""
+    return (tp if sequence_parallel else 1) * (2 * cp if cp > 1 else 1)
+
+
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 

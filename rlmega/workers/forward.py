@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from rlmega.models.spec import ModelSpec
-from rlmega.workers.batching import SequenceBatch, build_micro_batch
+from rlmega.workers.batching import SequenceBatch, build_micro_batch, row_multiple
 from rlmega.workers.context_parallel import split_micro_batch
 from rlmega.workers.heads import logprob_head
 from rlmega.workers.logprobs import DEFAULT_CHUNK_TOKENS
@@ -25,7 +25,7 @@ def sequence_logprobs(chunks: list, spec: ModelSpec, sequences: list[torch.Tenso
 
     config = chunks[0].config
     cp = ps.get_context_parallel_world_size()
-    multiple = (ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1) * (2 * cp if cp > 1 else 1)
+    multiple = row_multiple(ps.get_tensor_model_parallel_world_size(), config.sequence_parallel, cp)
     batch = SequenceBatch(list(sequences), [1] * len(sequences))  # every token after the first is scored
     head = logprob_head(spec.vocab_size, DEFAULT_CHUNK_TOKENS)
     results = []

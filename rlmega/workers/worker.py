@@ -25,7 +25,8 @@ from rlmega.models.spec import ModelSpec, has_transformer_engine
 from rlmega.parallel.layout import ParallelLayout
 from rlmega.workers import checkpoint, heads
 from rlmega.workers.batching import (
-    MicroBatch, SequenceBatch, balance_across_ranks, build_micro_batch, count_micro_batches, split_by_token_budget,
+    MicroBatch, SequenceBatch, balance_across_ranks, build_micro_batch, count_micro_batches, row_multiple,
+    split_by_token_budget,
 )
 from rlmega.workers.config import WorkerConfig
 from rlmega.workers.context_parallel import split_micro_batch
@@ -193,8 +194,7 @@ class MegatronWorker:
         if self.layout.virtual_stages > 1:  # the interleaved schedule runs micro-batches in groups of pp
             count = -(-max(count, self.layout.pp) // self.layout.pp) * self.layout.pp
         plans = [split_by_token_budget(shard, lengths, count) for shard in shards]
-        # Sequence parallelism splits a rank's tokens over tp; context parallelism a row in 2*cp chunks.
-        multiple = (self.layout.tp if self.transformer_config.sequence_parallel else 1) * (2 * cp if cp > 1 else 1)
+        multiple = row_multiple(self.layout.tp, self.transformer_config.sequence_parallel, cp)
         shape = None
         if self.layout.pp > 1:  # stages exchange activations of one fixed shape
             if settings.packing:
