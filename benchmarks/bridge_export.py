@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--bucket-mib", type=int, default=256, help="export bucket size in MiB (default: 256)")
     args = parser.parse_args()
 
-    from rlmega.testing.multirank import run_on_ranks
+    from rlmega.parallel.spawn import run_on_ranks
 
     config = SMALL if args.small else QWEN2_05B
     results = run_on_ranks(_measure, args.tp, timeout_s=1800, args=(config, args.tp, args.bucket_mib * MIB))

@@ -149,7 +149,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="also print the per-rank results as JSON")
     args = parser.parse_args()
 
-    from rlmega.testing.multirank import run_on_ranks
+    from rlmega.parallel.spawn import run_on_ranks
 
     # Spawned ranks inherit these. A fixed mmap threshold returns freed large blocks to the OS at
     # once, so RSS follows live memory and the baselines are not inflated by cached heap.

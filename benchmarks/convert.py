@@ -63,7 +63,7 @@ def make_checkpoint(hf_config: dict, root: Path) -> tuple[Path, Path]:
     """(HF base directory with config.json, torch_dist checkpoint directory)."""
     import json
 
-    from rlmega.testing.multirank import run_on_ranks
+    from rlmega.parallel.spawn import run_on_ranks
 
     base, checkpoint = root / "hf-base", root / "megatron"
     base.mkdir(parents=True)

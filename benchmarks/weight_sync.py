@@ -121,7 +121,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from rlmega.testing.multirank import run_on_ranks
+    from rlmega.parallel.spawn import run_on_ranks
 
     args.bucket_mib = args.bucket_mib or (16 if args.small else 128)
     bucket_bytes = args.bucket_mib * MIB

@@ -129,7 +129,7 @@ def convert(hf_dir: str | Path, output: str | Path, layout, *, dtype: Optional[t
     training layout, ``output/iter_NNNNNNN/`` plus ``output/latest_checkpointed_iteration.txt``.
     """
     from rlmega.parallel.layout import LayoutError
-    from rlmega.testing.multirank import RankFailure, run_on_ranks
+    from rlmega.parallel.spawn import RankFailure, run_on_ranks
 
     started = time.perf_counter()
     hf_dir, output = Path(hf_dir), Path(output)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from rlmega.parallel import cpu_platform
 from rlmega.parallel.cpu_platform import CudaAsCpu, check_mcore_version
-from rlmega.testing.multirank import run_on_ranks
+from rlmega.parallel.spawn import run_on_ranks
 
 
 def test_cuda_devices_become_cpu_inside_the_mode():

@@ -76,7 +76,7 @@ def test_initialize_starts_gloo_from_torchrun_variables_and_tears_down():
     import subprocess
     import sys
 
-    from rlmega.testing.multirank import free_port
+    from rlmega.parallel.spawn import free_port
 
     script = (
         "import torch.distributed as dist\n"

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from rlmega.parallel.layout import ParallelLayout, destroy, initialize
-from rlmega.testing import tiny_gpt
-from rlmega.testing.multirank import run_on_ranks
+from rlmega.models import tiny_gpt
+from rlmega.parallel.spawn import run_on_ranks
 
 NUM_MICROBATCHES = 4
 MICRO_BATCH_SIZE = 2

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlmega.testing.multirank import RankFailure, run_on_ranks
+from rlmega.parallel.spawn import RankFailure, run_on_ranks
 
 
 def _all_reduce_rank(rank, world_size):

@@ -274,6 +274,83 @@ def compute_remax_outcome_advantages(
     return broadcast_to_tokens(scores - as_float(baseline_scores), mask), broadcast_to_tokens(scores, mask)
 
 
+@torch.no_grad()
+def compute_gpg_outcome_advantages(
+    scores: torch.Tensor, response_mask: torch.Tensor, group_ids: GroupIds
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG outcome advantages (Chu et al. 2025, arXiv:2504.02546), verl's formula.
+
+        A_i   = alpha * (s_i - mean_g(s))         broadcast over the valid tokens of i
+        alpha = B / max(M, 1),   M = #{j : s_j != 0}    over the B samples of the call
+
+    The group-centred score is rescaled by the inverse fraction of samples with a nonzero score,
+    which the paper's gradient-estimation correction motivates (verl counts nonzero *scores*;
+    that is what is reproduced here). No std division. A group of size 1 gets advantage 0.
+
+    Shapes: scores ``[B]``, response_mask ``[B, T]``, group_ids ``[B]``; returns
+    ``(advantages [B, T], returns [B, T])`` with returns the broadcast scores.
+    """
+    check_sequence_values("scores", scores, response_mask)
+    mask = check_response_mask(response_mask)
+    scores = as_float(scores)
+    centered = _group_centered_scores(scores, group_ids)[0]
+    alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1).to(scores.dtype)
+    return broadcast_to_tokens(alpha * centered, mask), broadcast_to_tokens(scores, mask)
+
+
+@torch.no_grad()
+def compute_grpo_passk_outcome_advantages(
+    scores: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: GroupIds,
+    *,
+    normalize_by_std: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k advantages in GRPO form (arXiv:2503.19595, as cited by verl): only the best response counts.
+
+    In each group ``g`` with best score ``s_(1)`` and second best ``s_(2)``:
+
+        A_i = (s_(1) - s_(2)) / (std_g(s) + epsilon)   for the best sample i of g (one sample)
+        A_j = 0                                        for every other sample of g
+
+    Without ``normalize_by_std`` the gap is not divided. ``std_g`` is Bessel-corrected, as in
+    GRPO. If several samples share the best score the gap is 0, so which of them is "the best"
+    does not matter (here: the first in batch order). A group of size 1 has no second best and
+    gets advantage 0.
+
+    Args:
+        scores: ``[B]``. response_mask: ``[B, T]``. group_ids: ``[B]`` prompt uids.
+        normalize_by_std, epsilon: as in ``compute_grpo_outcome_advantages``.
+
+    Returns:
+        ``(advantages [B, T], returns [B, T])``; returns are the scores broadcast over valid tokens.
+    """
+    check_sequence_values("scores", scores, response_mask)
+    mask = check_response_mask(response_mask)
+    scores = as_float(scores)
+    centered, index, group_sizes, num_groups = _group_centered_scores(scores, group_ids)
+    batch_size = scores.shape[0]
+    lowest = torch.full((num_groups,), -torch.inf, dtype=scores.dtype, device=scores.device)
+    best_score = lowest.scatter_reduce(0, index, scores, "amax")
+    positions = torch.arange(batch_size, device=scores.device)
+    best_candidates = torch.where(scores == best_score[index], positions, batch_size)
+    first_best = torch.full((num_groups,), batch_size, device=scores.device).scatter_reduce(
+        0, index, best_candidates, "amin"
+    )
+    is_best = positions == first_best[index]
+    others = torch.where(is_best, -torch.inf, scores)
+    second_score = lowest.scatter_reduce(0, index, others, "amax")
+    # Select before subtracting: a singleton's second best is -inf.
+    has_two = group_sizes >= 2
+    gap = torch.where(has_two, best_score, 0.0) - torch.where(has_two, second_score, 0.0)
+    if normalize_by_std:
+        group_variance = group_sum(centered.square(), index, num_groups) / (group_sizes - 1).clamp(min=1)
+        gap = gap / (group_variance.sqrt() + epsilon)
+    advantages = torch.where(is_best, gap[index], 0.0)
+    return broadcast_to_tokens(advantages, mask), broadcast_to_tokens(scores, mask)
+
+
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "gae": compute_gae_advantages,
     "grpo": compute_grpo_outcome_advantages,
@@ -282,4 +359,6 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]
     "reinforce_plus_plus": compute_reinforce_plus_plus_advantages,
     "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_advantages,
     "remax": compute_remax_outcome_advantages,
+    "gpg": compute_gpg_outcome_advantages,
+    "grpo_passk": compute_grpo_passk_outcome_advantages,
 }

@@ -1,4 +1,6 @@
-"""Policy-gradient losses (PPO family, GSPO, CISPO), entropy bonus and rollout/trainer IS correction.
+"""Policy-gradient losses (PPO family, GSPO, CISPO), entropy bonus, rollout/trainer IS correction,
+and ``POLICY_LOSSES``, the registry of every policy loss (the others live in ``policy_loss_extra``:
+REINFORCE/GPG, SAPO, GMPO, and ``policy_loss_cov``: Clip-Cov, KL-Cov).
 
 Log-probabilities, all ``[B, T]`` log pi(y_t | y_<t) of the sampled tokens:
 
@@ -6,14 +8,16 @@ Log-probabilities, all ``[B, T]`` log pi(y_t | y_<t) of the sampled tokens:
 - ``old_logp``: the trainer's recomputation under the policy that generated the batch (behaviour
   policy of the PPO ratio ``r_t = exp(logp - old_logp)``); treated as a constant (detached).
 - ``rollout_logp``: as reported by the inference engine (vLLM/SGLang) at generation time. It differs
-  from ``old_logp`` through kernels/precision; ``truncated_importance_weights`` corrects for it.
+  from ``old_logp`` through kernels/precision; ``rlmega.algos.rollout_correction`` corrects for it.
 
 Sign convention: every function returns a loss to *minimise*; a positive advantage lowers the loss
 when ``logp`` rises. Advantages are constants (detached).
 
-Each policy loss returns ``(loss, metrics)``: the loss is a 0-dim tensor aggregated by
-``rlmega.algos.aggregation.aggregate_loss`` (keyword arguments ``loss_agg_mode``,
-``global_denominators``, ``norm_horizon``; see that module for the micro-batch/DP contract), the
+Every policy loss has the signature ``(logp, old_logp, advantages, response_mask, *,
+loss_agg_mode, global_denominators, norm_horizon, rollout_is_weights, <own keywords>)``, spelled
+out (no ``**kwargs``) so that a caller can filter its settings by the signature. It returns
+``(loss, metrics)``: the loss is a 0-dim tensor aggregated by
+``rlmega.algos.aggregation.aggregate_loss`` (see that module for the micro-batch/DP contract), the
 metrics a dict of detached 0-dim tensors computed over this call's valid tokens (for logging;
 average them over micro-batches as you like):
 
@@ -21,88 +25,37 @@ average them over micro-batches as you like):
 - ``pg_clipfrac``: fraction of tokens whose ratio was clipped (``_high`` / ``_low``: by which bound).
 - ``pg_clipfrac_lower``: dual-clip only, fraction of tokens where the ``clip_ratio_c`` bound is active.
 
+Every loss that exponentiates a log-ratio clamps it first to ``[-log_ratio_clamp, log_ratio_clamp]``
+(default 20, GSPO 10; ``None`` disables): a clamped token has a pinned value and no gradient.
+
 All log-ratio arithmetic happens after masking, so padding (even inf/nan) never reaches the loss,
 the metrics or the gradient.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
+from rlmega.algos._policy_common import (
+    DEFAULT_LOG_RATIO_CLAMP,
+    Metrics,
+    check_clip_ratios,
+    check_policy_inputs,
+    clamp_log_ratio,
+    clip_metrics,
+    clipped_surrogate,
+    detached,
+    reduce_policy_loss,
+)
 from rlmega.algos._utils import check_response_mask, check_same_shape, masked_mean, zero_masked
 from rlmega.algos.aggregation import LossDenominators, aggregate_loss
+from rlmega.algos.policy_loss_cov import clip_cov_policy_loss, kl_cov_policy_loss
+from rlmega.algos.policy_loss_extra import geo_mean_policy_loss, reinforce_policy_loss, sapo_policy_loss
 
-Metrics = dict[str, torch.Tensor]
-
-
-def _check_policy_inputs(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    rollout_is_weights: Optional[torch.Tensor],
-) -> torch.Tensor:
-    tensors = dict(logp=logp, old_logp=old_logp, advantages=advantages, response_mask=response_mask)
-    if rollout_is_weights is not None:
-        tensors["rollout_is_weights"] = rollout_is_weights
-    check_same_shape(**tensors)
-    return check_response_mask(response_mask)
-
-
-def _check_clip_ratios(clip_ratio_low: Optional[float], clip_ratio_high: float) -> None:
-    if clip_ratio_low is not None and not 0.0 <= clip_ratio_low < 1.0:
-        raise ValueError(f"clip_ratio_low must be in [0, 1), got {clip_ratio_low}")
-    if clip_ratio_high < 0.0:
-        raise ValueError(f"clip_ratio_high must be >= 0, got {clip_ratio_high}")
-
-
-def _clipped_surrogate(
-    ratio: torch.Tensor, advantages: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``max(-A r, -A clip(r, 1 - low, 1 + high))`` per token, and where each bound is active.
-
-    A bound is active exactly where the clipped term wins, i.e. where the token gets no gradient:
-    above ``1 + high`` with ``A > 0``, or below ``1 - low`` with ``A < 0``.
-    """
-    unclipped_loss = -advantages * ratio
-    clipped_loss = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    clipped_high = (ratio > 1.0 + clip_ratio_high) & (advantages > 0)
-    clipped_low = (ratio < 1.0 - clip_ratio_low) & (advantages < 0)
-    return torch.maximum(unclipped_loss, clipped_loss), clipped_high, clipped_low
-
-
-def _clip_metrics(
-    log_ratio: torch.Tensor, clipped_high: torch.Tensor, clipped_low: torch.Tensor, mask: torch.Tensor
-) -> Metrics:
-    """``ppo_kl`` and clip fractions over the valid tokens; ``log_ratio = logp - old_logp``."""
-    return {
-        "ppo_kl": masked_mean(-log_ratio, mask),
-        "pg_clipfrac": masked_mean((clipped_high | clipped_low).to(log_ratio.dtype), mask),
-        "pg_clipfrac_high": masked_mean(clipped_high.to(log_ratio.dtype), mask),
-        "pg_clipfrac_low": masked_mean(clipped_low.to(log_ratio.dtype), mask),
-    }
-
-
-def _reduce(
-    per_token_loss: torch.Tensor,
-    mask: torch.Tensor,
-    rollout_is_weights: Optional[torch.Tensor],
-    loss_agg_mode: str,
-    global_denominators: Optional[LossDenominators],
-    norm_horizon: Optional[float],
-) -> torch.Tensor:
-    """Apply the (detached) rollout IS weights per token, then aggregate."""
-    if rollout_is_weights is not None:
-        per_token_loss = per_token_loss * zero_masked(rollout_is_weights.detach(), mask)
-    return aggregate_loss(
-        per_token_loss,
-        mask,
-        loss_agg_mode,
-        global_denominators=global_denominators,
-        norm_horizon=norm_horizon,
-    )
+# GSPO's sequence log-ratio is clamped at 10, as in verl.
+GSPO_LOG_RATIO_CLAMP = 10.0
 
 
 def ppo_policy_loss(
@@ -114,6 +67,7 @@ def ppo_policy_loss(
     clip_ratio_low: float = 0.2,
     clip_ratio_high: Optional[float] = None,
     clip_ratio_c: Optional[float] = None,
+    log_ratio_clamp: Optional[float] = DEFAULT_LOG_RATIO_CLAMP,
     loss_agg_mode: str = "token-mean",
     global_denominators: Optional[LossDenominators] = None,
     norm_horizon: Optional[float] = None,
@@ -133,35 +87,39 @@ def ppo_policy_loss(
     Args:
         logp, old_logp, advantages, response_mask: ``[B, T]``.
         clip_ratio_low, clip_ratio_high, clip_ratio_c: see above; ``clip_ratio_c`` must exceed 1.
+        log_ratio_clamp: ``logp - old_logp`` is clamped to ``[-c, c]`` before ``exp`` (verl: 20);
+            ``None`` disables the clamp.
         loss_agg_mode, global_denominators, norm_horizon: passed to ``aggregate_loss``.
         rollout_is_weights: optional ``[B, T]`` per-token weights (e.g. from
-            ``truncated_importance_weights``), detached and multiplied into ``L_t``.
+            ``rlmega.algos.compute_rollout_correction``), detached and multiplied into ``L_t``.
 
     Returns:
         ``(loss, metrics)`` with metrics ``ppo_kl``, ``pg_clipfrac``, ``pg_clipfrac_high``,
         ``pg_clipfrac_low`` and, with dual clip, ``pg_clipfrac_lower``.
     """
-    mask = _check_policy_inputs(logp, old_logp, advantages, response_mask, rollout_is_weights)
+    mask = check_policy_inputs(logp, old_logp, advantages, response_mask, rollout_is_weights)
     clip_ratio_high = clip_ratio_low if clip_ratio_high is None else clip_ratio_high
-    _check_clip_ratios(clip_ratio_low, clip_ratio_high)
+    check_clip_ratios(clip_ratio_low, clip_ratio_high)
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
 
     log_ratio = zero_masked(logp - old_logp.detach(), mask)
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(clamp_log_ratio(log_ratio, log_ratio_clamp))
     advantages = zero_masked(advantages.detach(), mask)
-    per_token_loss, clipped_high, clipped_low = _clipped_surrogate(
+    per_token_loss, clipped_high, clipped_low = clipped_surrogate(
         ratio, advantages, clip_ratio_low, clip_ratio_high
     )
-    metrics = _clip_metrics(log_ratio, clipped_high, clipped_low, mask)
+    metrics = clip_metrics(log_ratio, clipped_high, clipped_low, mask)
     if clip_ratio_c is not None:
         dual_bound = -advantages * clip_ratio_c
         dual_clipped = (advantages < 0) & (per_token_loss > dual_bound)
         per_token_loss = torch.where(dual_clipped, dual_bound, per_token_loss)
         metrics["pg_clipfrac_lower"] = masked_mean(dual_clipped.to(logp.dtype), mask)
 
-    loss = _reduce(per_token_loss, mask, rollout_is_weights, loss_agg_mode, global_denominators, norm_horizon)
-    return loss, {name: value.detach() for name, value in metrics.items()}
+    loss = reduce_policy_loss(
+        per_token_loss, mask, rollout_is_weights, loss_agg_mode, global_denominators, norm_horizon
+    )
+    return loss, detached(metrics)
 
 
 def clip_higher_policy_loss(
@@ -172,12 +130,16 @@ def clip_higher_policy_loss(
     *,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.28,
-    **aggregation_and_weights: Any,
+    clip_ratio_c: Optional[float] = None,
+    log_ratio_clamp: Optional[float] = DEFAULT_LOG_RATIO_CLAMP,
+    loss_agg_mode: str = "token-mean",
+    global_denominators: Optional[LossDenominators] = None,
+    norm_horizon: Optional[float] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """DAPO clip-higher (Yu et al. 2025, arXiv:2503.14476): ``ppo_policy_loss`` with the paper's
-    decoupled defaults ``eps_low = 0.2``, ``eps_high = 0.28``. Shapes ``[B, T]``; keyword arguments
-    ``loss_agg_mode``, ``global_denominators``, ``norm_horizon``, ``rollout_is_weights`` and
-    ``clip_ratio_c`` are passed through."""
+    decoupled defaults ``eps_low = 0.2``, ``eps_high = 0.28``. Shapes ``[B, T]``; every keyword
+    has the meaning it has in ``ppo_policy_loss``."""
     return ppo_policy_loss(
         logp,
         old_logp,
@@ -185,7 +147,12 @@ def clip_higher_policy_loss(
         response_mask,
         clip_ratio_low=clip_ratio_low,
         clip_ratio_high=clip_ratio_high,
-        **aggregation_and_weights,
+        clip_ratio_c=clip_ratio_c,
+        log_ratio_clamp=log_ratio_clamp,
+        loss_agg_mode=loss_agg_mode,
+        global_denominators=global_denominators,
+        norm_horizon=norm_horizon,
+        rollout_is_weights=rollout_is_weights,
     )
 
 
@@ -195,13 +162,31 @@ def dual_clip_policy_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: Optional[float] = None,
     clip_ratio_c: float = 3.0,
-    **clipping_aggregation_and_weights: Any,
+    log_ratio_clamp: Optional[float] = DEFAULT_LOG_RATIO_CLAMP,
+    loss_agg_mode: str = "token-mean",
+    global_denominators: Optional[LossDenominators] = None,
+    norm_horizon: Optional[float] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """Dual-clip PPO (Ye et al. 2020, arXiv:1912.09729): ``ppo_policy_loss`` with ``clip_ratio_c = 3``
-    by default (verl's default). Shapes ``[B, T]``; other keyword arguments are passed through."""
+    by default (verl's default). Shapes ``[B, T]``; every keyword has the meaning it has in
+    ``ppo_policy_loss``."""
     return ppo_policy_loss(
-        logp, old_logp, advantages, response_mask, clip_ratio_c=clip_ratio_c, **clipping_aggregation_and_weights
+        logp,
+        old_logp,
+        advantages,
+        response_mask,
+        clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high,
+        clip_ratio_c=clip_ratio_c,
+        log_ratio_clamp=log_ratio_clamp,
+        loss_agg_mode=loss_agg_mode,
+        global_denominators=global_denominators,
+        norm_horizon=norm_horizon,
+        rollout_is_weights=rollout_is_weights,
     )
 
 
@@ -213,6 +198,7 @@ def gspo_policy_loss(
     *,
     clip_ratio_low: float = 3e-4,
     clip_ratio_high: float = 4e-4,
+    log_ratio_clamp: Optional[float] = GSPO_LOG_RATIO_CLAMP,
     loss_agg_mode: str = "seq-mean-token-mean",
     global_denominators: Optional[LossDenominators] = None,
     norm_horizon: Optional[float] = None,
@@ -231,26 +217,29 @@ def gspo_policy_loss(
 
     With ``seq-mean-token-mean`` aggregation (the default, as in the paper) and a per-sequence
     advantage, the gradient is exactly GSPO's ``s_i A_i (1/n_i) sum_t grad logp_it``. The paper
-    uses the small clip range 3e-4 / 4e-4 (the defaults).
+    uses the small clip range 3e-4 / 4e-4 (the defaults). ``log s_it`` is clamped to
+    ``[-log_ratio_clamp, log_ratio_clamp]`` (default 10; verl clamps it from above at 10).
 
     Args and returns as ``ppo_policy_loss`` (shapes ``[B, T]``); metrics ``ppo_kl``,
     ``pg_clipfrac``, ``pg_clipfrac_high``, ``pg_clipfrac_low`` are token-weighted fractions.
     """
-    mask = _check_policy_inputs(logp, old_logp, advantages, response_mask, rollout_is_weights)
-    _check_clip_ratios(clip_ratio_low, clip_ratio_high)
+    mask = check_policy_inputs(logp, old_logp, advantages, response_mask, rollout_is_weights)
+    check_clip_ratios(clip_ratio_low, clip_ratio_high)
 
     log_ratio = zero_masked(logp - old_logp.detach(), mask)
     sequence_log_ratio = log_ratio.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
     valid_logp = zero_masked(logp, mask)
     token_log_ratio = sequence_log_ratio.detach().unsqueeze(-1) + (valid_logp - valid_logp.detach())
-    ratio = torch.exp(token_log_ratio)
+    ratio = torch.exp(clamp_log_ratio(token_log_ratio, log_ratio_clamp))
     advantages = zero_masked(advantages.detach(), mask)
-    per_token_loss, clipped_high, clipped_low = _clipped_surrogate(
+    per_token_loss, clipped_high, clipped_low = clipped_surrogate(
         ratio, advantages, clip_ratio_low, clip_ratio_high
     )
-    metrics = _clip_metrics(log_ratio, clipped_high, clipped_low, mask)
-    loss = _reduce(per_token_loss, mask, rollout_is_weights, loss_agg_mode, global_denominators, norm_horizon)
-    return loss, {name: value.detach() for name, value in metrics.items()}
+    metrics = clip_metrics(log_ratio, clipped_high, clipped_low, mask)
+    loss = reduce_policy_loss(
+        per_token_loss, mask, rollout_is_weights, loss_agg_mode, global_denominators, norm_horizon
+    )
+    return loss, detached(metrics)
 
 
 def cispo_policy_loss(
@@ -261,6 +250,7 @@ def cispo_policy_loss(
     *,
     clip_ratio_low: Optional[float] = None,
     clip_ratio_high: float = 0.28,
+    log_ratio_clamp: Optional[float] = DEFAULT_LOG_RATIO_CLAMP,
     loss_agg_mode: str = "token-mean",
     global_denominators: Optional[LossDenominators] = None,
     norm_horizon: Optional[float] = None,
@@ -277,16 +267,17 @@ def cispo_policy_loss(
     ``exp(logp - sg(logp))`` is 1 in value with gradient ``grad logp``, so ``grad L_t`` is the paper's
     ``-w_t A_t grad logp_t`` while the loss value is ``-w_t A_t``, directly comparable to PPO's.
     ``clip_ratio_low=None`` applies no lower bound (the paper only tunes the upper one). The paper
-    does not publish its upper bound; 0.28 (DAPO's eps_high) is our choice of default.
+    does not publish its upper bound; 0.28 (DAPO's eps_high) is our choice of default. The
+    log-ratio is clamped to ``[-log_ratio_clamp, log_ratio_clamp]`` before ``exp`` (``None``: not).
 
     Args and returns as ``ppo_policy_loss`` (shapes ``[B, T]``); metrics ``ppo_kl``,
     ``pg_clipfrac``, ``pg_clipfrac_high``, ``pg_clipfrac_low`` count tokens whose weight was clipped.
     """
-    mask = _check_policy_inputs(logp, old_logp, advantages, response_mask, rollout_is_weights)
-    _check_clip_ratios(clip_ratio_low, clip_ratio_high)
+    mask = check_policy_inputs(logp, old_logp, advantages, response_mask, rollout_is_weights)
+    check_clip_ratios(clip_ratio_low, clip_ratio_high)
 
     log_ratio = zero_masked(logp - old_logp.detach(), mask)
-    ratio = torch.exp(log_ratio).detach()
+    ratio = torch.exp(clamp_log_ratio(log_ratio, log_ratio_clamp)).detach()
     lower_bound = None if clip_ratio_low is None else 1.0 - clip_ratio_low
     weights = ratio.clamp(min=lower_bound, max=1.0 + clip_ratio_high)
     valid_logp = zero_masked(logp, mask)
@@ -294,45 +285,11 @@ def cispo_policy_loss(
 
     clipped_high = ratio > 1.0 + clip_ratio_high
     clipped_low = ratio < lower_bound if lower_bound is not None else torch.zeros_like(mask)
-    metrics = _clip_metrics(log_ratio, clipped_high, clipped_low, mask)
-    loss = _reduce(per_token_loss, mask, rollout_is_weights, loss_agg_mode, global_denominators, norm_horizon)
-    return loss, {name: value.detach() for name, value in metrics.items()}
-
-
-def truncated_importance_weights(
-    old_logp: torch.Tensor,
-    rollout_logp: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    cap: float = 2.0,
-) -> tuple[torch.Tensor, Metrics]:
-    """Truncated importance sampling (TIS) for the rollout-engine vs trainer probability mismatch.
-
-        w_t = min(exp(old_logp_t - rollout_logp_t), cap)       detached, 0 on masked tokens
-
-    Tokens were sampled by the inference engine (``rollout_logp``) but the objective is defined under
-    the trainer's behaviour policy (``old_logp``); ``w_t`` reweights each token and the cap bounds
-    the variance (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
-    Training"; Ionides 2008 for truncated IS). Pass ``w`` as ``rollout_is_weights`` to a policy loss.
-
-    Args:
-        old_logp, rollout_logp, response_mask: ``[B, T]``. cap: truncation level C > 0.
-
-    Returns:
-        ``(weights [B, T], metrics)``; metrics ``tis_weight_mean`` (of the truncated weights) and
-        ``tis_clipfrac`` (fraction of valid tokens whose weight was truncated).
-    """
-    check_same_shape(old_logp=old_logp, rollout_logp=rollout_logp, response_mask=response_mask)
-    mask = check_response_mask(response_mask)
-    if cap <= 0:
-        raise ValueError(f"cap must be > 0, got {cap}")
-    raw_weights = torch.exp(zero_masked(old_logp - rollout_logp, mask)).detach()
-    weights = zero_masked(raw_weights.clamp(max=cap), mask)
-    metrics: Metrics = {
-        "tis_weight_mean": masked_mean(weights, mask),
-        "tis_clipfrac": masked_mean((raw_weights > cap).to(weights.dtype), mask),
-    }
-    return weights, metrics
+    metrics = clip_metrics(log_ratio, clipped_high, clipped_low, mask)
+    loss = reduce_policy_loss(
+        per_token_loss, mask, rollout_is_weights, loss_agg_mode, global_denominators, norm_horizon
+    )
+    return loss, detached(metrics)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -384,4 +341,10 @@ POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, Metrics]]] = {
     "dual_clip": dual_clip_policy_loss,
     "gspo": gspo_policy_loss,
     "cispo": cispo_policy_loss,
+    "gpg": reinforce_policy_loss,
+    "reinforce": reinforce_policy_loss,
+    "sapo": sapo_policy_loss,
+    "geo_mean": geo_mean_policy_loss,
+    "clip_cov": clip_cov_policy_loss,
+    "kl_cov": kl_cov_policy_loss,
 }

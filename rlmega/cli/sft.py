@@ -41,6 +41,6 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"rlmega sft: config error: {error}", file=sys.stderr)
         return 2
-    from rlmega.trainer.controller import Trainer
+    from rlmega.trainer.build import run_sft
 
-    return Trainer(config).fit_sft()
+    return run_sft(config)

@@ -32,7 +32,7 @@ def _train(rank: int, world_size: int, layout, steps: int, lr: float, num_microb
     from rich.console import Console
 
     from rlmega.parallel.layout import destroy, initialize
-    from rlmega.testing import tiny_gpt
+    from rlmega.models import tiny_gpt
 
     initialize(layout)
     chunks = tiny_gpt.build_model(tiny_gpt.TinyGPTSpec(), layout)
@@ -66,8 +66,8 @@ def _train(rank: int, world_size: int, layout, steps: int, lr: float, num_microb
 
 def run(args: argparse.Namespace) -> int:
     from rlmega.parallel.layout import LayoutError, ParallelLayout
-    from rlmega.testing.multirank import RankFailure, run_on_ranks
-    from rlmega.testing.tiny_gpt import VOCAB_SIZE, TinyGPTSpec
+    from rlmega.parallel.spawn import RankFailure, run_on_ranks
+    from rlmega.models.tiny_gpt import VOCAB_SIZE, TinyGPTSpec
 
     try:
         layout = ParallelLayout(

@@ -48,6 +48,6 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"rlmega train: config error: {error}", file=sys.stderr)
         return 2
-    from rlmega.trainer.controller import run as run_training
+    from rlmega.trainer.build import run as run_training
 
     return run_training(config)

@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path
 from typing import Sequence
 
-from rlmega.config.schema import ALGORITHMS, PLACEMENTS, RLConfig
+from rlmega.config.schema import RLConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 SCHEMA_NAME = "rlmega_schema"
@@ -78,22 +78,35 @@ def _require(condition: bool, field: str, message: str) -> None:
 def validate(config: RLConfig) -> None:
     """Raise ConfigError naming the first field that cannot work."""
     from rlmega.models import UnsupportedModelError, model_spec_from_hf
-    from rlmega.parallel.layout import LayoutError, ParallelLayout
+    from rlmega.parallel.layout import LayoutError
 
-    _require(config.resume in ("auto", "never"), "resume", f"must be auto or never, got {config.resume!r}")
-    _require(config.algorithm.name in ALGORITHMS, "algorithm.name",
-             f"{config.algorithm.name!r} is not one of {', '.join(ALGORITHMS)}")
-    _require(config.rollout.placement in PLACEMENTS, "rollout.placement",
-             f"{config.rollout.placement!r} is not one of {', '.join(PLACEMENTS)}")
-    _require(config.rollout.engine_spread in ("pack", "spread"), "rollout.engine_spread", "must be pack or spread")
-    _require(config.rollout.backend in ("hf", "vllm", "sglang"), "rollout.backend",
-             f"{config.rollout.backend!r} is not one of hf, vllm, sglang")
+    from rlmega import algos
+
+    _check_choices(config, "")
+    _require(config.algorithm.adv_estimator in algos.ADVANTAGE_ESTIMATORS, "algorithm.adv_estimator",
+             f"{config.algorithm.adv_estimator!r} is not one of {', '.join(sorted(algos.ADVANTAGE_ESTIMATORS))}")
+    for role in ("actor", "ref", "critic"):
+        loss = getattr(config, role).policy_loss
+        _require(loss.name in algos.POLICY_LOSSES, f"{role}.policy_loss.name",
+                 f"{loss.name!r} is not one of {', '.join(sorted(algos.POLICY_LOSSES))}")
+        _require(loss.kl_estimator in algos.KL_ESTIMATORS, f"{role}.policy_loss.kl_estimator",
+                 f"{loss.kl_estimator!r} is not one of {', '.join(sorted(algos.KL_ESTIMATORS))}")
+        _require(loss.loss_agg_mode in algos.LOSS_AGG_MODES, f"{role}.policy_loss.loss_agg_mode",
+                 f"{loss.loss_agg_mode!r} is not one of {', '.join(algos.LOSS_AGG_MODES)}")
+    try:
+        config.actor.policy_loss.loss_kwargs()
+    except ValueError as error:
+        raise ConfigError(f"actor.{error}") from error
+    _require(config.sync.transport == "auto" or config.sync.transport in _transports(), "sync.transport",
+             f"{config.sync.transport!r} is not one of auto, {', '.join(sorted(_transports()))}")
+    _require(config.sync.bucket_bytes > 0 and config.sync.timeout_s > 0, "sync.bucket_bytes / sync.timeout_s",
+             "must be > 0")
     _require(config.rollout.num_engines >= 1, "rollout.num_engines", "must be >= 1")
     _require(config.rollout.n >= 1, "rollout.n", "must be >= 1")
     _require(not config.algorithm.dynamic_sampling or config.rollout.n > 1, "algorithm.dynamic_sampling",
              "needs rollout.n > 1 (a group of one always has equal scores)")
-    _require(config.algorithm.name not in ("grpo", "dapo", "rloo") or config.rollout.n > 1, "rollout.n",
-             f"{config.algorithm.name} compares responses within a group: needs n > 1")
+    _require(config.algorithm.adv_estimator not in GROUP_ESTIMATORS or config.rollout.n > 1, "rollout.n",
+             f"{config.algorithm.adv_estimator} compares responses within a group: needs n > 1")
     _require(config.trainer.total_steps >= 1, "trainer.total_steps", "must be >= 1")
     responses = config.trainer.prompts_per_step * config.rollout.n
     _require(responses >= config.actor.ppo_mini_batches, "actor.ppo_mini_batches",
@@ -112,11 +125,31 @@ def validate(config: RLConfig) -> None:
         spec = model_spec_from_hf(str(model_dir))
     except UnsupportedModelError as error:
         raise ConfigError(f"model.path: {error}") from error
-    layout_fields = dataclasses.asdict(config.layout)
     try:
-        spec.check_layout(ParallelLayout(**layout_fields))
+        spec.check_layout(config.layout.build())
     except LayoutError as error:
         raise ConfigError(f"layout: {error}") from error
+
+
+def _check_choices(node, prefix: str) -> None:
+    """Every field declared with ``schema.choice`` holds one of its options (the first wrong one is named)."""
+    for field in dataclasses.fields(node):
+        value = getattr(node, field.name)
+        if "choices" in field.metadata:
+            _require(value in field.metadata["choices"], prefix + field.name,
+                     f"{value!r} is not one of {', '.join(field.metadata['choices'])}")
+        elif dataclasses.is_dataclass(value):
+            _check_choices(value, f"{prefix}{field.name}.")
+
+
+# Estimators that centre each response's score on its group's: a group of one has nothing to compare with.
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "grpo_passk", "gpg", "rloo", "reinforce_plus_plus_baseline")
+
+
+def _transports() -> tuple[str, ...]:
+    from rlmega.sync.transports import TRANSPORTS
+
+    return tuple(TRANSPORTS)
 
 
 def to_yaml(config: RLConfig) -> str:

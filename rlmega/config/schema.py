@@ -10,13 +10,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from rlmega.algos.rollout_correction import RolloutCorrectionConfig
 from rlmega.data import DataConfig
+from rlmega.parallel.layout import LayoutConfig
 from rlmega.rewards import RewardConfig
-from rlmega.trainer.metrics import MetricsConfig
 from rlmega.workers.config import WorkerConfig
 
-ALGORITHMS = ("grpo", "dapo", "ppo", "reinforce_plus_plus", "rloo")
-PLACEMENTS = ("colocated", "disaggregated")
+METRIC_BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+
+
+def choice(default: str, *options: str):
+    """A field that takes one of ``options``; ``validate`` checks every such field of the tree by
+    this declaration, naming the field and the valid values."""
+    return dataclasses.field(default=default, metadata={"choices": (default, *options)})
 
 
 @dataclasses.dataclass
@@ -28,30 +34,16 @@ class ModelConfig:
 
 
 @dataclasses.dataclass
-class LayoutConfig:
-    """Parallel layout of the training ranks (see ``rlmega.parallel.layout.ParallelLayout``)."""
-
-    world_size: int = 1
-    """Training ranks (one process each)."""
-    tp: int = 1
-    pp: int = 1
-    vpp: Optional[int] = None
-    cp: int = 1
-    ep: int = 1
-    etp: Optional[int] = None
-
-
-@dataclasses.dataclass
 class RolloutConfig:
-    backend: str = "hf"
+    backend: str = choice("hf", "vllm", "sglang")
     """hf (transformers, CPU or GPU); vllm and sglang on GPU."""
     engine_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Extra constructor arguments of the engine (e.g. vLLM's gpu_memory_utilization)."""
     num_engines: int = 1
-    placement: str = "colocated"
+    placement: str = choice("colocated", "disaggregated")
     """colocated: engines share the training ranks' resources and sleep while training runs (training
     offloads while engines generate); disaggregated: engines have resources of their own."""
-    engine_spread: str = "pack"
+    engine_spread: str = choice("pack", "spread")
     """pack: engines on as few nodes as possible; spread: one per node where possible."""
     cpus_per_engine: float = 1.0
     gpus_per_engine: float = 0.0
@@ -63,26 +55,38 @@ class RolloutConfig:
     max_new_tokens: int = 256
     val_temperature: float = 0.0
     """0: greedy validation."""
+
+
+@dataclasses.dataclass
+class SyncConfig:
+    """The weight sync after every update: trained weights into the engines (see rlmega/sync/README.md)."""
+
     bucket_bytes: int = 64 * 1024**2
-    """Bucket size of the weight sync."""
+    """Bucket size: the export gathers and sends this many bytes at a time."""
     transport: str = "auto"
-    """Weight-sync transport (see rlmega/sync/README.md)."""
+    """in_process | object_store | shared_memory | broadcast | auto (by where the engines run)."""
+    timeout_s: float = 600.0
+    """Longest wait for one bucket (or the whole sync) before the run stops naming the engine."""
     post_sync_check: bool = True
-    """After every sync, score a probe with the engine and the trainer and stop if they disagree."""
+    """Score greedy probes with the engine and the trainer after a sync; stop if they disagree."""
 
 
 @dataclasses.dataclass
 class AlgorithmConfig:
-    name: str = "grpo"
-    """grpo | dapo | ppo | reinforce_plus_plus | rloo; sets the advantage estimator and the defaults below."""
+    """How scored responses become advantages (the policy loss itself is ``actor.policy_loss``)."""
+
+    adv_estimator: str = "grpo"
+    """A key of ``rlmega.algos.ADVANTAGE_ESTIMATORS`` (gae, grpo, dr_grpo, grpo_passk, gpg, rloo,
+    reinforce_plus_plus, reinforce_plus_plus_baseline, remax); gae trains a critic, remax generates a
+    greedy baseline response per prompt."""
     norm_adv_by_std: bool = True
-    """GRPO/DAPO: divide group-centred scores by the group's std (False: Dr. GRPO)."""
+    """grpo-style estimators: divide group-centred scores by the group's std (False: Dr. GRPO)."""
     gamma: float = 1.0
     lam: float = 1.0
-    """GAE lambda (ppo)."""
+    """GAE lambda (gae)."""
     kl_in_reward_coef: float = 0.0
-    """Subtract ``coef * KL(actor || ref)`` from token rewards (needs the reference); 0 disables."""
-    kl_estimator: str = "k1"
+    """Subtract ``coef * KL(actor || ref)`` (estimator ``actor.policy_loss.kl_estimator``) from the
+    token rewards (needs the reference); outcome estimators then see each response's summed reward."""
     dynamic_sampling: bool = False
     """DAPO: drop prompt groups whose scores are all equal and generate more until the batch is full."""
     max_generation_rounds: int = 3
@@ -92,6 +96,8 @@ class AlgorithmConfig:
     overlong_penalty_factor: float = 1.0
     filter_truncated: bool = False
     """DAPO overlong filtering: responses that hit the length limit do not count in the loss."""
+    rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
+    """Train-inference mismatch: importance weights and rejection from the engine's log-probs."""
 
 
 @dataclasses.dataclass
@@ -112,6 +118,30 @@ class TrainerConfig:
 
 
 @dataclasses.dataclass
+class MetricsConfig:
+    backends: list[str] = dataclasses.field(default_factory=lambda: ["console", "jsonl"])
+    """Where metrics go, any of: console, jsonl, tensorboard, wandb, mlflow."""
+    project: str = "rlmega"
+    """W&B project / MLflow experiment the run belongs to."""
+    experiment_name: str = "run"
+    """Name of this run in W&B and MLflow, and the title of the reward-curve plot."""
+    console_every: int = 1
+    """Print the console metrics line every this many steps (the progress bar moves every step)."""
+    plot: bool = True
+    """Write run_dir/reward_curve.png at each validation and at close (needs matplotlib)."""
+
+    def __post_init__(self):
+        self.backends = list(self.backends)
+        unknown = [b for b in self.backends if b not in METRIC_BACKENDS]
+        if unknown:
+            raise ValueError(f"MetricsConfig.backends: unknown {unknown}; valid backends: {', '.join(METRIC_BACKENDS)}")
+        if len(set(self.backends)) != len(self.backends):
+            raise ValueError(f"MetricsConfig.backends: {self.backends} names a backend twice")
+        if self.console_every < 1:
+            raise ValueError(f"MetricsConfig.console_every must be >= 1, got {self.console_every}")
+
+
+@dataclasses.dataclass
 class ClusterConfig:
     ray_address: Optional[str] = None
     """None: start a local Ray; "auto" or an address: join that cluster (RAY_ADDRESS also works)."""
@@ -125,7 +155,7 @@ class ClusterConfig:
 class RLConfig:
     run_dir: str = "runs/rlmega"
     """Everything the run writes: checkpoints/, metrics.jsonl, placement.json, reward_curve.png, hf/."""
-    resume: str = "auto"
+    resume: str = choice("auto", "never")
     """auto: continue from the latest complete checkpoint in run_dir if any; never: start fresh."""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -136,6 +166,7 @@ class RLConfig:
     ref: WorkerConfig = dataclasses.field(default_factory=lambda: WorkerConfig(role="ref", offload=True))
     critic: WorkerConfig = dataclasses.field(default_factory=lambda: WorkerConfig(role="critic"))
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
@@ -151,4 +182,4 @@ class RLConfig:
 
     @property
     def needs_critic(self) -> bool:
-        return self.algorithm.name == "ppo"
+        return self.algorithm.adv_estimator == "gae"

@@ -205,3 +205,21 @@ def destroy(*, including_default_group: bool = False) -> None:
     parallel_state.destroy_model_parallel()
     if including_default_group and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _layout_config_class() -> type:
+    """``ParallelLayout``'s fields as a mutable dataclass, for the config tree (Hydra and OmegaConf
+    merge overrides into mutable nodes); one description of the layout, so the two cannot drift."""
+    import typing
+
+    hints = typing.get_type_hints(ParallelLayout)
+    fields = [(f.name, hints[f.name], dataclasses.field(default=f.default)) for f in dataclasses.fields(ParallelLayout)]
+    namespace = {
+        "__doc__": "The parallel layout of the training ranks as configured (see ``ParallelLayout``).",
+        "__module__": __name__,  # pickled by reference, like any class of this module
+        "build": lambda self: ParallelLayout(**dataclasses.asdict(self)),
+    }
+    return dataclasses.make_dataclass("LayoutConfig", fields, namespace=namespace)
+
+
+LayoutConfig = _layout_config_class()

@@ -2,7 +2,7 @@
 
 Slow next to vLLM or SGLang, but exact and dependency-free: the reference engine for tests and small
 runs. The sampling loop is our own (not ``model.generate``) so each request has its own sampling
-settings and generator, and the returned log-probs are those of the raw logits.
+settings and generator; the returned log-probs are those of the temperature-scaled logits.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ class HFEngine:
     """
 
     def __init__(self, model: str | os.PathLike | PreTrainedModel, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", attn_implementation: str | None = None):
+                 device: str | torch.device = "cpu", attn_implementation: str | None = None,
+                 weight_noise_std: float = 0.0):
         if isinstance(model, (str, os.PathLike)):
             extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
             model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, **extra)
@@ -62,6 +63,13 @@ class HFEngine:
         # on-disk names not re-sent since sleep(level=2).
         self._book = WeightBook(self._weights.slots)
         self._dropped: set[str] = set()  # tensors whose storage sleep(level=2) freed
+        # Gaussian noise of this std is added to every weight loaded: an engine that deliberately serves
+        # slightly different weights than the trainer's, to study the train-inference mismatch on CPU.
+        self._noise_std = weight_noise_std
+        self._noise = torch.Generator(device=self.device).manual_seed(0)
+        if weight_noise_std:
+            for weight in self._weights.tensors.values():
+                self._perturb(weight.data)
 
     # ------------------------------------------------------------------ generation
 
@@ -144,7 +152,13 @@ class HFEngine:
                                       device=weight.device)
             self._dropped.discard(target.tensor_name)
         weight.data[target.index].copy_(tensor)
+        if self._noise_std:
+            self._perturb(weight.data[target.index])
         self._book.sent(target.slots)
+
+    def _perturb(self, weight: torch.Tensor) -> None:
+        noise = torch.randn(weight.shape, generator=self._noise, device=weight.device, dtype=torch.float32)
+        weight.add_(noise.mul_(self._noise_std).to(weight.dtype))
 
     def weight_version(self) -> int:
         return self._book.version

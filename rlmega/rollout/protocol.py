@@ -83,10 +83,11 @@ class SamplingParams:
 class Generation:
     """One sampled response.
 
-    ``logprobs[t]`` is ``log_softmax(raw_logits)[response_token_ids[t]]`` at the step that sampled
-    token t: the log-prob under the model's *unmodified* logits, not under the temperature-scaled or
-    top-k/top-p-filtered distribution that was sampled from. That is what the trainer recomputes from
-    the same weights, so the two are directly comparable (``rollout_logp`` vs ``old_logp``).
+    ``logprobs[t]`` is ``log_softmax(logits / temperature)[response_token_ids[t]]`` at the step that
+    sampled token t (the raw logits for greedy requests): the log-prob under the temperature-scaled
+    distribution that was sampled from, before any top-k / top-p truncation. That is what the trainer
+    recomputes from the same weights at the batch's temperature, so the two are directly comparable
+    (``rollout_logp`` vs ``old_logp``).
     """
 
     prompt_index: int  # index into the ``prompts`` list given to ``generate``

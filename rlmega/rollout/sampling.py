@@ -71,7 +71,9 @@ def select_next_tokens(logits: torch.Tensor, rows: RowSampling) -> tuple[torch.T
     top_k=1 matches greedy.
 
     Returns ``(tokens [B] int64, logprobs [B] float32)``, where ``logprobs`` is the log-prob of each
-    chosen token under ``log_softmax(logits)``: the raw distribution, whatever was sampled from.
+    chosen token under ``log_softmax(logits / temperature)`` (the raw logits for greedy rows): the
+    distribution the trainer scores the batch under. Top-k / top-p truncation is not in it, as in
+    the trainer (and verl, OpenRLHF, slime): it only removes tokens that are rarely drawn anyway.
     """
     logits = logits.float()
     tokens = logits.argmax(dim=-1)
@@ -89,5 +91,6 @@ def select_next_tokens(logits: torch.Tensor, rows: RowSampling) -> tuple[torch.T
         for i, row in enumerate(sampled.tolist()):
             rank = torch.multinomial(probs[i], 1, generator=rows.generators[row])
             tokens[row] = sorted_ids[i, rank[0]]
-    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    scale = torch.where(rows.temperature > 0, rows.temperature, torch.ones_like(rows.temperature))
+    logprobs = torch.log_softmax(logits / scale[:, None], dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
     return tokens, logprobs

@@ -34,8 +34,8 @@ SUPPORTED_VERSIONS = ((0, 5, 3), (0, 6))  # setup.py's `sglang` extra: sglang>=0
 # (Req.check_finished), sglang/srt/managers/tokenizer_manager.py (output dicts), sglang/srt/server_args.py.
 
 # sglang/srt/layers/sampler.py reads it when the scheduler processes import it: with it, the returned
-# log-probs are log(softmax(raw logits)); without it, log(softmax(logits / temperature)) whenever a batch
-# holds a sampled (temperature > 0) request.
+# log-probs are log(softmax(raw logits)); without it, log(softmax(logits / temperature)) (greedy requests
+# run at temperature 1 with top_k=1, so theirs are the raw logits'), which is what the trainer scores.
 RAW_LOGPROB_ENV = "RETURN_ORIGINAL_LOGPROB"
 
 
@@ -55,10 +55,10 @@ def _engine_settings() -> dict:
 
 
 def _new_engine(sglang, model: str, server_kwargs: dict):
-    if os.environ.get(RAW_LOGPROB_ENV, "1").lower() not in ("1", "true"):
-        warnings.warn(f"{RAW_LOGPROB_ENV}={os.environ[RAW_LOGPROB_ENV]!r} overridden: the adapter needs raw-logit "
-                      f"log-probs")
-    os.environ[RAW_LOGPROB_ENV] = "1"  # inherited by the scheduler processes the engine spawns
+    if os.environ.get(RAW_LOGPROB_ENV, "0").lower() in ("1", "true"):
+        warnings.warn(f"{RAW_LOGPROB_ENV}={os.environ[RAW_LOGPROB_ENV]!r} overridden: the adapter needs the "
+                      f"log-probs of the temperature-scaled logits, which the trainer scores the batch under")
+    os.environ.pop(RAW_LOGPROB_ENV, None)  # the scheduler processes the engine spawns inherit its absence
     return sglang.Engine(model_path=model, **server_kwargs)
 
 

@@ -45,9 +45,10 @@ def _engine_settings() -> dict:
     return {
         # Token ids in, token ids out: no tokenizer, no detokenizer.
         "skip_tokenizer_init": True,
-        # Log-probs of the logits before temperature, top-k/top-p and any logits processor (the default in
-        # 0.11, pinned here because the trainer compares them with its own).
-        "logprobs_mode": "raw_logprobs",
+        # Log-probs of the distribution sampled from (vllm/v1/sample/sampler.py: after temperature, then
+        # top-k / top-p): the trainer scores the batch at the same temperature. With top-k / top-p set the
+        # engine's log-probs include the truncation and the trainer's do not (README: Temperature).
+        "logprobs_mode": "processed_logprobs",
         # LLM.sleep / wake_up raise without it.
         "enable_sleep_mode": True,
         # Our weight-loading methods, mixed into every worker.

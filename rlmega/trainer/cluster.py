@@ -43,12 +43,13 @@ def _wait_ready(group, what: str, timeout_s: float) -> None:
 
 
 def start_workers(config: RLConfig, *, with_rollout: bool = True):
-    """(TrainingGroup, RolloutGroup or None, placement description) for ``config``."""
+    """(TrainingRanks, RolloutGroup or None, placement description) for ``config``; on failure,
+    whatever was started is shut down again."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from rlmega.trainer.rollout_group import RolloutGroup
-    from rlmega.trainer.training_group import TrainingGroup
+    from rlmega.trainer.training_group import TrainingRanks
 
     connect(config)
     training_bundles, engine_bundles = _bundles(config)
@@ -64,10 +65,15 @@ def start_workers(config: RLConfig, *, with_rollout: bool = True):
         engine_pg = placement_group(engine_bundles, strategy=strategy)
         _wait_ready(engine_pg, "placing rollout engines", config.cluster.timeout_s)
         engine_bundle = lambda index: index  # noqa: E731
-    training = TrainingGroup(config, training_pg, total_steps=config.trainer.total_steps)
+    training = TrainingRanks(config, training_pg, total_steps=config.trainer.total_steps)
     if not with_rollout:
         return training, None, {"placement": config.rollout.placement, "training_ranks": training.nodes, "engines": []}
-    rollout = RolloutGroup(config, lambda index: PlacementGroupSchedulingStrategy(engine_pg, placement_group_bundle_index=engine_bundle(index)))
+    try:
+        rollout = RolloutGroup(config, lambda index: PlacementGroupSchedulingStrategy(
+            engine_pg, placement_group_bundle_index=engine_bundle(index)))
+    except BaseException:
+        training.shutdown()
+        raise
     placement = {"placement": config.rollout.placement, "training_ranks": training.nodes, "engines": rollout.nodes}
     return training, rollout, placement
 

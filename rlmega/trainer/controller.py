@@ -1,15 +1,16 @@
-"""The RL loop. One step, as data (see ``train_step``):
+"""The RL loop. One step, as data (see ``Trainer.train_step``):
 
     prompts -> engines generate n responses each -> rewards -> old / ref log-probs, values
-    -> advantages -> critic and actor updates -> weight sync (versioned, checked) -> metrics
+    -> rollout correction -> advantages -> critic and actor updates -> weight sync (versioned, checked)
+    -> metrics
 
 around it: resume, an optional supervised warm-start, validation, checkpoints, a final HF export,
-and a clean stop on SIGTERM (checkpoint, exit code 143).
+and a clean stop on SIGTERM (checkpoint, exit code 143). The ``Trainer`` is given every part whole
+(``build_trainer`` starts them on Ray); it only runs the loop.
 """
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from contextlib import contextmanager
@@ -18,84 +19,57 @@ from typing import Optional
 
 import torch
 
+from rlmega.algos.rollout_correction import compute_rollout_correction
 from rlmega.config.schema import RLConfig
 from rlmega.trainer.advantages import compute_advantages
-from rlmega.trainer.generation import generate_rollouts
-from rlmega.workers.batching import SequenceBatch
+from rlmega.trainer.metrics import MetricsTracker
+from rlmega.trainer.prompts import PromptSource, Rollouts
+from rlmega.trainer.roles import Actor, Critic, Engines, Reference, TrainingJob
+from rlmega.workers.batching import padded_field
 
 PREEMPTED_EXIT_CODE = 143
 
 
 class Trainer:
-    def __init__(self, config: RLConfig):
-        from transformers import AutoTokenizer
-
-        from rlmega.data import PromptDataset, StatefulSampler
-        from rlmega.rewards import RewardScorer
-
-        self.config = config
+    def __init__(self, config: RLConfig, prompts: PromptSource, job: TrainingJob, actor: Actor, engines: Engines, *,
+                 reference: Optional[Reference] = None, critic: Optional[Critic] = None):
+        """Resume from ``run_dir`` (``resume=auto``) and open the metrics; the parts belong to the
+        trainer from here on and are shut down by ``close``."""
+        self.config, self.prompts, self.job, self.engines = config, prompts, job, engines
+        self.actor, self.reference, self.critic = actor, reference, critic
         self.run_dir = Path(config.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
-        self.dataset = PromptDataset(config.data, self.tokenizer)
-        self.val_dataset = PromptDataset(config.val_data, self.tokenizer) if config.trainer.val_every else None
-        self.sampler = StatefulSampler(len(self.dataset), config.trainer.prompts_per_step, seed=config.trainer.seed)
-        self.scorer = RewardScorer(config.reward)
-        self.scorer.check_data_sources(self.dataset.data_sources)
-        self.stop_token_ids = (self.tokenizer.eos_token_id,)
         self.preempted = False
-        self.training = self.rollout = self.tracker = None
+        self.start_step = self._resume()
+        self.tracker = MetricsTracker(self.run_dir, config=config.metrics, total_steps=config.trainer.total_steps,
+                                      run_config=_plain(config), resume_step=self.start_step)
 
     # ---- the loop -------------------------------------------------------------------------
 
     def fit(self) -> int:
         """Run to ``trainer.total_steps`` (or to SIGTERM); the process exit code."""
-        from rlmega.trainer.cluster import start_workers
-        from rlmega.trainer.metrics import MetricsTracker
-
-        previous = signal.getsignal(signal.SIGTERM)
+        trainer = self.config.trainer
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
-            self.training, self.rollout, placement = start_workers(self.config)
-            # After ray.init, which installs a SIGTERM handler of its own that aborts the driver.
-            signal.signal(signal.SIGTERM, self._on_sigterm)
-            (self.run_dir / "placement.json").write_text(json.dumps(placement, indent=1))
-            start = self._resume()
-            self.tracker = MetricsTracker(self.run_dir, config=self.config.metrics, total_steps=self.config.trainer.total_steps,
-                                          run_config=_plain(self.config), resume_step=start)
-            if start == 0 and self.config.trainer.sft_steps:
-                self._warm_start()
-            self._sync(version=start)
-            if self.config.trainer.val_every and start == 0:
+            if self.start_step == 0 and trainer.sft_steps:
+                self.warm_start()
+            self.sync(version=self.start_step)
+            if trainer.val_every and self.start_step == 0:
                 self.tracker.log_validation(0, self.validate())
-            for step in range(start + 1, self.config.trainer.total_steps + 1):
+            for step in range(self.start_step + 1, trainer.total_steps + 1):
                 self.tracker.log(step, self.train_step(step))
-                last = step == self.config.trainer.total_steps
-                if self.config.trainer.val_every and (step % self.config.trainer.val_every == 0 or last):
+                last = step == trainer.total_steps
+                if trainer.val_every and (step % trainer.val_every == 0 or last):
                     self.tracker.log_validation(step, self.validate())
-                if last or self.preempted or (self.config.trainer.save_every and step % self.config.trainer.save_every == 0):
-                    self._save(step)
+                if last or self.preempted or (trainer.save_every and step % trainer.save_every == 0):
+                    self.save(step)
                 if self.preempted:
                     print(f"preempted: checkpoint saved at step {step}", flush=True)
                     return PREEMPTED_EXIT_CODE
             if self.config.export_hf:
-                self._export_hf()
+                export_hf(self.run_dir / "checkpoints" / "actor", self.run_dir / "hf", self.config.model.path)
             return 0
         finally:
             signal.signal(signal.SIGTERM, previous)
-            self.close()
-
-    def fit_sft(self) -> int:
-        """Only the supervised warm-start (``trainer.sft_steps``), then its HF export to ``run_dir/sft_hf``."""
-        from rlmega.trainer.cluster import start_workers
-
-        try:
-            self.training, _, _ = start_workers(self.config, with_rollout=False)
-            self._warm_start()
-            root = self.run_dir / "sft_checkpoints"
-            self.training.run("save", str(root), {"sampler": self.sampler.state_dict(), "step": 0})
-            self._export_hf(root / "actor", self.run_dir / "sft_hf")
-            return 0
-        finally:
             self.close()
 
     def train_step(self, step: int) -> dict[str, float]:
@@ -103,40 +77,59 @@ class Trainer:
         config, metrics = self.config, {}
         started = time.perf_counter()
         with self._timed(metrics, "gen"), self._rollout_phase():
-            rollouts = generate_rollouts(self, step)
+            rollouts = self.prompts.rollouts(self.engines, step)
         batch = rollouts.batch
-        with self._timed(metrics, "old_log_prob"):
-            old_logp, entropy = self.training.call("actor", "compute_logprobs", batch)
+        if config.algorithm.rollout_correction.bypass_mode:  # the engine's log-probs are the behaviour policy's
+            old_logp, entropy = rollouts.rollout_logp, None
+        else:
+            with self._timed(metrics, "old_log_prob"):
+                old_logp, entropy = self.actor.compute_logprobs(batch)
         ref_logp = values = None
-        if config.needs_reference:
+        if self.reference is not None:
             with self._timed(metrics, "ref"):
-                ref_logp, _ = self.training.call("ref", "compute_logprobs", batch)
-        if config.needs_critic:
+                ref_logp, _ = self.reference.compute_logprobs(batch)
+        if self.critic is not None:
             with self._timed(metrics, "values"):
-                values = self.training.call("critic", "compute_values", batch)
+                values = self.critic.compute_values(batch)
+        fields, correction_metrics = self._corrected_fields(rollouts, old_logp)
+        metrics.update(correction_metrics)
         advantages, returns, advantage_metrics = compute_advantages(
             config.algorithm, rollouts.scores, batch.response_lengths, rollouts.group_ids,
-            old_logp=old_logp, ref_logp=ref_logp, values=values,
+            kl_estimator=config.actor.policy_loss.kl_estimator, old_logp=old_logp, ref_logp=ref_logp, values=values,
+            baseline_scores=rollouts.baseline_scores,
         )
         metrics.update(advantage_metrics)
-        fields = dict(old_logp=old_logp, advantages=advantages)
-        if rollouts.response_mask is not None:
-            fields["response_mask"] = rollouts.response_mask
-        if ref_logp is not None:
-            fields["ref_logp"] = ref_logp
-        if config.needs_critic:
+        if self.critic is not None:
             with self._timed(metrics, "update_critic"):
-                metrics.update(self.training.call("critic", "update", batch.with_fields(values=values, returns=returns, **(
-                    {"response_mask": rollouts.response_mask} if rollouts.response_mask is not None else {}))))
+                mask = {"response_mask": fields["response_mask"]} if "response_mask" in fields else {}
+                metrics.update(self.critic.update(batch.with_fields(values=values, returns=returns, **mask)))
+        if config.actor.policy_loss.kl_loss_coef > 0:
+            fields["ref_logp"] = ref_logp
         with self._timed(metrics, "update_actor"):
-            metrics.update(self.training.call("actor", "update", batch.with_fields(**fields)))
+            metrics.update(self.actor.update(batch.with_fields(old_logp=old_logp, advantages=advantages, **fields)))
         with self._timed(metrics, "sync"):
-            metrics.update(self._sync(version=step))
+            metrics.update(self.sync(version=step))
         metrics.update(rollouts.metrics)
-        metrics["actor/rollout_entropy"] = float(torch.cat(entropy).mean())
+        if entropy is not None:
+            metrics["actor/rollout_entropy"] = float(torch.cat(entropy).mean())
         metrics["timing_s/step"] = time.perf_counter() - started
         metrics["perf/throughput"] = sum(batch.lengths) / metrics["timing_s/step"]
         return metrics
+
+    def _corrected_fields(self, rollouts: Rollouts, old_logp: list[torch.Tensor]) -> tuple[dict, dict[str, float]]:
+        """The loss mask and IS weights from the engine's vs the trainer's log-probs, and the mismatch metrics."""
+        lengths = rollouts.batch.response_lengths
+        loss_mask = rollouts.response_mask or [torch.ones(n) for n in lengths]
+        correction = compute_rollout_correction(
+            padded_field(old_logp)[0], padded_field(rollouts.rollout_logp)[0], padded_field(loss_mask)[0],
+            self.config.algorithm.rollout_correction)
+        unpadded = lambda tensor: [row[:n].float().clone() for row, n in zip(tensor, lengths)]  # noqa: E731
+        fields = {}
+        if rollouts.response_mask is not None or self.config.algorithm.rollout_correction.enabled:
+            fields["response_mask"] = unpadded(correction.response_mask)
+        if correction.is_weights is not None:
+            fields["rollout_is_weights"] = unpadded(correction.is_weights)
+        return fields, {name: float(value) for name, value in correction.metrics.items()}
 
     # ---- phases ---------------------------------------------------------------------------
 
@@ -145,65 +138,36 @@ class Trainer:
         """Colocated: training memory goes to host while engines generate, then engines sleep."""
         colocated = self.config.rollout.placement == "colocated"
         if colocated:
-            self.training.run("set_offloaded", True)
-            self.rollout.wake()
+            self.job.set_offloaded(True)
+            self.engines.wake()
         try:
             yield
         finally:
             if colocated:
-                self.rollout.sleep(level=1)
-                self.training.run("set_offloaded", False)
+                self.engines.sleep(level=1)
+                self.job.set_offloaded(False)
 
-    def _sync(self, version: int) -> dict[str, float]:
+    def sync(self, version: int) -> dict[str, float]:
         """Push the actor's weights into every engine as ``version`` and, if configured, check them."""
-        rollout = self.config.rollout
-        if rollout.placement == "colocated":
-            self.rollout.wake()
-        stats = self.training.run("push_weights", self.rollout.engines, version, rollout.bucket_bytes, rollout.transport,
-                                  self.config.cluster.timeout_s)
+        if self.config.rollout.placement == "colocated":
+            self.engines.wake()
+        stats = self.actor.push_weights(self.engines, version, self.config.sync)
         metrics = {"sync/gbytes": stats.bytes / 1e9, "sync/gbps": stats.gbps}
-        if rollout.post_sync_check:
-            probes = [record.prompt_token_ids for record in self.dataset.batch([0, 1])]
-            metrics["sync/max_logprob_diff"] = self.training.run("post_sync_check", self.rollout.engines, probes, version)
-        versions = self.rollout.versions()
+        if self.config.sync.post_sync_check:
+            metrics["sync/max_logprob_diff"] = self.actor.post_sync_check(self.engines, self.prompts.probes(), version)
+        versions = self.engines.versions()
         if any(found != version for found in versions):
             raise RuntimeError(f"after syncing version {version} the engines serve versions {versions}")
         return metrics
 
     def validate(self) -> dict[str, float]:
-        """Greedy (or ``rollout.val_temperature``) answers to the validation prompts, scored."""
-        from rlmega.rewards import ScoreItem
-        from rlmega.rollout.protocol import SamplingParams
-
-        records = self.val_dataset.batch(list(range(min(self.config.trainer.val_prompts, len(self.val_dataset)))))
-        params = SamplingParams(temperature=self.config.rollout.val_temperature, max_new_tokens=self.config.rollout.max_new_tokens,
-                                stop_token_ids=self.stop_token_ids, n=1, seed=self.config.trainer.seed)
         with self._rollout_phase():
-            generations = self.rollout.generate([r.prompt_token_ids for r in records], params)
-        texts = [self.tokenizer.decode(g.response_token_ids, skip_special_tokens=True) for g in generations]
-        scores, _ = self.scorer.score_batch([ScoreItem.from_record(r, t) for r, t in zip(records, texts)])
-        return {"val/score/mean": sum(scores) / len(scores),
-                "val/accuracy": sum(score >= 1.0 for score in scores) / len(scores)}
+            return self.prompts.validate(self.engines)
 
-    def _warm_start(self) -> None:
-        """Supervised steps on the training prompts' ground-truth answers (a tiny model's start)."""
-        from rlmega.data import StatefulSampler
-
-        # As many sequences per step as an RL step trains on.
-        per_step = min(self.config.trainer.prompts_per_step * self.config.rollout.n, len(self.dataset))
-        sampler = StatefulSampler(len(self.dataset), per_step, seed=self.config.trainer.seed + 1)
-        for step in range(1, self.config.trainer.sft_steps + 1):
-            records = self.dataset.batch(sampler.next_batch())
-            tokens, prompts = [], []
-            for record in records:
-                answer = self.tokenizer.encode(str(record.ground_truth), add_special_tokens=False) + list(self.stop_token_ids)
-                tokens.append(torch.tensor(record.prompt_token_ids + answer))
-                prompts.append(len(record.prompt_token_ids))
-            metrics = self.training.run("sft_step", SequenceBatch(tokens, prompts), self.config.trainer.sft_lr)
-            if step == 1 or step % 10 == 0 or step == self.config.trainer.sft_steps:
-                print(f"warm-start {step}/{self.config.trainer.sft_steps}: sft_loss {metrics['sft_loss']:.4f}", flush=True)
-        if self.config.needs_reference:
-            self.training.run("reference_from_actor")
+    def warm_start(self) -> None:
+        supervised_warm_start(self.actor, self.prompts, self.config)
+        if self.reference is not None:
+            self.reference.copy_from_actor()
 
     # ---- state ----------------------------------------------------------------------------
 
@@ -215,21 +179,13 @@ class Trainer:
         found = latest_checkpoint(self.run_dir / "checkpoints" / "actor")
         if found is None:
             return 0
-        extra = self.training.run("load", str(found.parent.parent), int(found.name.split("_")[1]))
-        self.sampler.load_state_dict(extra["sampler"])
+        extra = self.job.load(str(found.parent.parent), int(found.name.split("_")[1]))
+        self.prompts.load_state_dict(extra)
         print(f"resumed from {found} (step {extra['step']})", flush=True)
         return int(extra["step"])
 
-    def _save(self, step: int) -> None:
-        self.training.run("save", str(self.run_dir / "checkpoints"), {"sampler": self.sampler.state_dict(), "step": step})
-
-    def _export_hf(self, checkpoint: Optional[Path] = None, output: Optional[Path] = None) -> None:
-        from converters.mcore_to_hf import convert
-
-        checkpoint = checkpoint or self.run_dir / "checkpoints" / "actor"
-        output = output or self.run_dir / "hf"
-        convert(checkpoint, output, self.config.model.path, overwrite=True, quiet=True)
-        print(f"exported HF checkpoint to {output}", flush=True)
+    def save(self, step: int, root: Optional[Path] = None) -> None:
+        self.job.save(str(root or self.run_dir / "checkpoints"), {**self.prompts.state_dict(), "step": step})
 
     def _on_sigterm(self, signum, frame) -> None:
         print("SIGTERM: finishing the current step, then saving a checkpoint", flush=True)
@@ -242,19 +198,30 @@ class Trainer:
         metrics[f"timing_s/{name}"] = time.perf_counter() - started
 
     def close(self) -> None:
-        if self.tracker is not None:
-            self.tracker.close()
-        for group in (self.rollout, self.training):
-            if group is not None:
-                group.shutdown()
-        self.scorer.close()
+        self.tracker.close()
+        for part in (self.engines, self.job):
+            part.shutdown()
+        self.prompts.close()
+
+
+def supervised_warm_start(actor: Actor, prompts: PromptSource, config: RLConfig) -> None:
+    """``trainer.sft_steps`` supervised steps on the training prompts' ground-truth answers (a tiny model's start)."""
+    total = config.trainer.sft_steps
+    for step, batch in enumerate(prompts.warm_start_batches(), start=1):
+        metrics = actor.sft_step(batch, config.trainer.sft_lr)
+        if step == 1 or step % 10 == 0 or step == total:
+            print(f"warm-start {step}/{total}: sft_loss {metrics['sft_loss']:.4f}", flush=True)
+
+
+def export_hf(checkpoint: Path, output: Path, base_model: str) -> None:
+    """The actor checkpoint under ``checkpoint`` as an HF checkpoint in ``output`` (names and shapes of ``base_model``)."""
+    from converters.mcore_to_hf import convert
+
+    convert(checkpoint, output, base_model, overwrite=True, quiet=True)
+    print(f"exported HF checkpoint to {output}", flush=True)
 
 
 def _plain(config: RLConfig) -> dict:
     import dataclasses
 
     return dataclasses.asdict(config)
-
-
-def run(config: RLConfig) -> int:
-    return Trainer(config).fit()

@@ -18,10 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 if TYPE_CHECKING:
-    from rlmega.trainer.metrics import MetricsConfig
-
-BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
-"""Valid names for ``MetricsConfig.backends``."""
+    from rlmega.config.schema import MetricsConfig
 
 JSONL_NAME = "metrics.jsonl"
 PLOT_NAME = "reward_curve.png"

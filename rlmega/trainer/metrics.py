@@ -6,7 +6,7 @@ The trainer is a single controller, so one process owns the tracker; nothing her
 tracker = MetricsTracker(run_dir, MetricsConfig(backends=["console", "jsonl"]), total_steps=100)
 with tracker.phase("gen"):                      # -> timing_s/gen in the next tracker.log row
     ...
-tracker.log(step, {"actor/pg_loss": 0.1, **batch_metrics(scores, lengths, max_response_length)})
+tracker.log(step, {"actor/pg_loss": 0.1, **batch_metrics(scores, lengths, truncated)})
 tracker.log_validation(step, {"val/accuracy": 0.35})
 tracker.close()                                 # flush everything, write reward_curve.png
 ```
@@ -19,7 +19,6 @@ tensorboard, wandb, mlflow. The optional ones are imported only when asked for.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import time
 import warnings
@@ -29,37 +28,14 @@ from typing import Any, Optional
 
 import torch
 
+from rlmega.config.schema import MetricsConfig
 from rlmega.trainer import plots
 
 from rlmega.trainer.metric_backends import (
-    BACKENDS, JSONL_NAME, PLOT_NAME, RESPONSE_LENGTH_KEY, SCORE_KEY, TENSORBOARD_DIR, TIMING_PREFIX, VAL_PREFIX,
+    JSONL_NAME, PLOT_NAME, RESPONSE_LENGTH_KEY, SCORE_KEY, TENSORBOARD_DIR, TIMING_PREFIX, VAL_PREFIX,
     ConsoleBackend, JsonlBackend, MetricsBackend, MlflowBackend, TensorBoardBackend, WandbBackend,
     OPTIONAL_PACKAGES, as_number, require_package,
 )
-
-@dataclasses.dataclass
-class MetricsConfig:
-    backends: list[str] = dataclasses.field(default_factory=lambda: ["console", "jsonl"])
-    """Where metrics go, any of: console, jsonl, tensorboard, wandb, mlflow."""
-    project: str = "rlmega"
-    """W&B project / MLflow experiment the run belongs to."""
-    experiment_name: str = "run"
-    """Name of this run in W&B and MLflow, and the title of the reward-curve plot."""
-    console_every: int = 1
-    """Print the console metrics line every this many steps (the progress bar moves every step)."""
-    plot: bool = True
-    """Write run_dir/reward_curve.png at each validation and at close (needs matplotlib)."""
-
-    def __post_init__(self):
-        self.backends = list(self.backends)
-        unknown = [b for b in self.backends if b not in BACKENDS]
-        if unknown:
-            raise ValueError(f"MetricsConfig.backends: unknown {unknown}; valid backends: {', '.join(BACKENDS)}")
-        if len(set(self.backends)) != len(self.backends):
-            raise ValueError(f"MetricsConfig.backends: {self.backends} names a backend twice")
-        if self.console_every < 1:
-            raise ValueError(f"MetricsConfig.console_every must be >= 1, got {self.console_every}")
-
 
 class MetricsTracker:
     """Sends each step's metrics to the configured backends; keeps the history for the reward curve.
@@ -218,7 +194,7 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 def batch_metrics(
     scores: Sequence[float] | torch.Tensor,
     response_lengths: Sequence[int] | torch.Tensor,
-    max_response_length: int,
+    truncated: Sequence[bool] | torch.Tensor,
     advantages: Optional[Sequence[float] | torch.Tensor] = None,
     response_mask: Optional[torch.Tensor] = None,
     rewards: Optional[Sequence[float] | torch.Tensor] = None,
@@ -228,9 +204,9 @@ def batch_metrics(
 
     Args:
         scores: ``[B]`` sequence scores from the reward function -> ``critic/score/{mean,max,min}``.
-        response_lengths: ``[B]`` response tokens -> ``response_length/{mean,max,min,clip_ratio}``; the
-            clip ratio is the fraction of responses with ``length >= max_response_length`` (cut by the limit).
-        max_response_length: the rollout's token limit.
+        response_lengths: ``[B]`` response tokens -> ``response_length/{mean,max,min}``.
+        truncated: ``[B]`` whether each response was cut by the token limit (the engine's finish reason
+            ``length``) -> ``response_length/clip_ratio``, the fraction cut.
         advantages: ``[B]`` per sequence, or ``[B, T]`` per token -> ``critic/advantages/{mean,max,min}``
             over valid tokens: ``response_mask`` ``[B, T]`` if given, else the first ``response_lengths[i]``
             columns of row i.
@@ -260,7 +236,10 @@ def batch_metrics(
                 raise ValueError("batch_metrics: advantages has no valid token")
         out.update(_stats("critic/advantages", adv))
     out.update(_stats("response_length", length_t))
-    out["response_length/clip_ratio"] = (length_t >= max_response_length).double().mean().item()
+    truncated_t = _as_float64("truncated", truncated)
+    if truncated_t.shape != length_t.shape:
+        raise ValueError(f"batch_metrics: truncated {tuple(truncated_t.shape)} must be [B] like response_lengths")
+    out["response_length/clip_ratio"] = truncated_t.mean().item()
     if prompt_lengths is not None:
         out.update(_stats("prompt_length", _as_float64("prompt_lengths", prompt_lengths)))
     return out

@@ -41,7 +41,7 @@ class RolloutGroup:
             for index in range(config.rollout.num_engines)
         ]
         self.names = [f"rollout engine {index}" for index in range(len(self.actors))]
-        self.engines = [RemoteEngine(actor, bucket_bytes=config.rollout.bucket_bytes) for actor in self.actors]
+        self.engines = [RemoteEngine(actor, bucket_bytes=config.sync.bucket_bytes) for actor in self.actors]
         located = wait_all([actor.__ray_call__.remote(_engine_node) for actor in self.actors], self.names,
                            max(self.timeout_s, 300.0), "starting engines")
         self.nodes = [{"engine": index, "node_id": node, "ip": ip} for index, (node, ip) in enumerate(located)]
@@ -103,10 +103,10 @@ def _engine(config: RLConfig) -> tuple[type, dict]:
     if rollout.backend == "vllm":
         from rlmega.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine, {"bucket_bytes": rollout.bucket_bytes, **arguments}
+        return VLLMEngine, {"bucket_bytes": config.sync.bucket_bytes, **arguments}
     from rlmega.rollout.sglang_engine import SGLangEngine
 
-    return SGLangEngine, {"bucket_bytes": rollout.bucket_bytes, **arguments}
+    return SGLangEngine, {"bucket_bytes": config.sync.bucket_bytes, **arguments}
 
 
 def _with_seed(params: SamplingParams, seed: Optional[int]) -> SamplingParams:

@@ -1,24 +1,26 @@
 """The training ranks as Ray actors: one process per rank, hosting that rank's actor, reference and
 critic workers (they share the rank's devices and process groups).
 
-The controller calls every rank with the same arguments (the workers are collective) and keeps
-rank 0's answer.
+``RankProcess`` is what runs in each actor; ``TrainingRanks`` calls every rank with the same
+arguments (the workers are collective) and keeps rank 0's answer. The controller does not call it
+directly: it holds the typed role groups of ``rlmega.trainer.roles``, built on one ``TrainingRanks``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import socket
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from rlmega.config.schema import RLConfig
+from rlmega.config.schema import RLConfig, SyncConfig
 from rlmega.trainer.remote import wait_all
+from rlmega.workers.batching import SequenceBatch
 
 
 class RankProcess:
-    """What runs inside one training rank's Ray actor."""
+    """What runs inside one training rank's Ray actor. Every method is collective over the ranks and
+    returns rank 0's result (None elsewhere)."""
 
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
@@ -39,14 +41,14 @@ class RankProcess:
         import torch.distributed as dist
 
         from rlmega.models import model_spec_from_hf
-        from rlmega.parallel.layout import ParallelLayout, default_backend, initialize
+        from rlmega.parallel.layout import default_backend, initialize
         from rlmega.workers.worker import MegatronWorker
 
         torch.set_num_threads(max(1, int(config.cluster.cpus_per_rank)))
         timeout = datetime.timedelta(seconds=config.cluster.timeout_s)
         dist.init_process_group(default_backend(), init_method=f"tcp://{master[0]}:{master[1]}",
                                 rank=self.rank, world_size=self.world_size, timeout=timeout)
-        self.layout = ParallelLayout(**dataclasses.asdict(config.layout))
+        self.layout = config.layout.build()
         initialize(self.layout, timeout_s=config.cluster.timeout_s, seed=config.trainer.seed)
         self.spec = model_spec_from_hf(config.model.path)
         roles = {"actor": config.actor}
@@ -60,9 +62,22 @@ class RankProcess:
             self.workers[name] = MegatronWorker(self.spec, self.layout, worker_config, hf_dir=config.model.path,
                                                 total_steps=total_steps)
 
-    def call(self, role: str, method: str, *args, **kwargs) -> Any:
-        result = getattr(self.workers[role], method)(*args, **kwargs)
+    def _rank0(self, result: Any) -> Any:
         return result if self.rank == 0 else None
+
+    # ---- the roles' work ------------------------------------------------------------------
+
+    def compute_logprobs(self, role: str, batch: SequenceBatch):
+        return self._rank0(self.workers[role].compute_logprobs(batch))
+
+    def compute_values(self, batch: SequenceBatch):
+        return self._rank0(self.workers["critic"].compute_values(batch))
+
+    def update(self, role: str, batch: SequenceBatch) -> Optional[dict]:
+        return self._rank0(self.workers[role].update(batch))
+
+    def sft_step(self, batch: SequenceBatch, lr: float) -> Optional[dict]:
+        return self._rank0(self.workers["actor"].sft_step(batch, lr))
 
     def reference_from_actor(self) -> None:
         """Make the reference model the actor's current weights (after a supervised warm-start the
@@ -74,25 +89,13 @@ class RankProcess:
             for target, source in zip(_parameters(reference.chunks), _parameters(actor.chunks), strict=True):
                 target.copy_(source)
 
-    def sft_step(self, batch, lr: float) -> Optional[dict]:
-        result = self.workers["actor"].sft_step(batch, lr)
-        return result if self.rank == 0 else None
-
-    def set_offloaded(self, offloaded: bool) -> int:
-        """Offload (or onload) the trained roles; the bytes moved on this rank."""
-        moved = 0
-        for name, worker in self.workers.items():
-            if name != "ref" and worker.offloaded != offloaded:
-                moved += worker.offload() if offloaded else worker.onload()
-        return moved
-
-    def push_weights(self, engines: list, version: int, bucket_bytes: int, transport: str, timeout_s: float):
+    def push_weights(self, engines: list, version: int, sync: SyncConfig):
         from rlmega.sync import push_weights
 
-        actor = self.workers["actor"]
-        stats = push_weights(actor.chunks, self.spec, engines if self.rank == 0 else None, version,
-                             engine_rank=0, bucket_bytes=bucket_bytes, transport=transport, timeout_s=timeout_s)
-        return stats if self.rank == 0 else None
+        stats = push_weights(self.workers["actor"].chunks, self.spec, engines if self.rank == 0 else None, version,
+                             engine_rank=0, bucket_bytes=sync.bucket_bytes, transport=sync.transport,
+                             timeout_s=sync.timeout_s)
+        return self._rank0(stats)
 
     def post_sync_check(self, engines: list, prompts: list[list[int]], version: int) -> Optional[float]:
         from rlmega.sync import post_sync_check
@@ -102,7 +105,17 @@ class RankProcess:
         for engine in engines:
             worst = max(worst, post_sync_check(actor.chunks, self.spec, engine if self.rank == 0 else None, prompts,
                                                engine_rank=0, version=version))
-        return worst if self.rank == 0 else None
+        return self._rank0(worst)
+
+    # ---- the job's state ------------------------------------------------------------------
+
+    def set_offloaded(self, offloaded: bool) -> int:
+        """Offload (or onload) the trained roles; the bytes moved on this rank."""
+        moved = 0
+        for name, worker in self.workers.items():
+            if name != "ref" and worker.offloaded != offloaded:
+                moved += worker.offload() if offloaded else worker.onload()
+        return moved
 
     def save(self, root: str, extra: dict) -> Optional[dict]:
         """Each trained role under ``root/<role>``; the actor last, so its tracker names a step whose
@@ -111,7 +124,7 @@ class RankProcess:
         for name in sorted(self.workers, key=lambda role: role == "actor"):
             if name != "ref" or self.reference_warm_started:
                 paths[name] = str(self.workers[name].save_checkpoint(Path(root) / name, extra, step=extra["step"]))
-        return paths if self.rank == 0 else None
+        return self._rank0(paths)
 
     def load(self, root: str, step: int) -> Optional[dict]:
         from rlmega.workers.checkpoint import iteration_dir
@@ -120,7 +133,7 @@ class RankProcess:
         for name, worker in self.workers.items():
             if name != "ref" or self.reference_warm_started:
                 extra = worker.load_checkpoint(iteration_dir(Path(root) / name, step))
-        return extra if self.rank == 0 else None
+        return self._rank0(extra)
 
     def shutdown(self) -> None:
         import torch.distributed as dist
@@ -135,14 +148,13 @@ def _parameters(chunks: list):
         yield from chunk.parameters()
 
 
-class TrainingGroup:
-    """``world_size`` rank actors placed in ``placement_group`` bundles 0..world_size-1."""
+class TrainingRanks:
+    """``layout.world_size`` rank actors placed in ``placement_group`` bundles 0..world_size-1."""
 
     def __init__(self, config: RLConfig, placement_group, total_steps: int):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self.config = config
         self.timeout_s = config.cluster.timeout_s
         world_size = config.layout.world_size
         actor_class = ray.remote(RankProcess)
@@ -155,30 +167,35 @@ class TrainingGroup:
             for rank in range(world_size)
         ]
         self.names = [f"training rank {rank}" for rank in range(world_size)]
-        addresses = self._all("address")
+        addresses = self.each(lambda rank: rank.address.remote(), "address")
         self.nodes = [{"rank": rank, "ip": ip, "node_id": node} for rank, (ip, _, node) in enumerate(addresses)]
         master = addresses[0][:2]
-        self._all("setup", master, config, total_steps, timeout_s=max(self.timeout_s, 600.0))
+        self.each(lambda rank: rank.setup.remote(master, config, total_steps), "setup",
+                  timeout_s=max(self.timeout_s, 600.0))
 
-    def _all(self, method: str, *args, timeout_s: Optional[float] = None, **kwargs) -> list:
-        refs = [getattr(rank, method).remote(*args, **kwargs) for rank in self.ranks]
-        return wait_all(refs, self.names, timeout_s or self.timeout_s, method)
+    def each(self, call: Callable[[Any], Any], what: str, timeout_s: Optional[float] = None) -> list:
+        """``call(rank_handle)`` (a ``.remote(...)`` call) on every rank; all answers, in rank order."""
+        return wait_all([call(rank) for rank in self.ranks], self.names, timeout_s or self.timeout_s, what)
 
-    def run(self, method: str, *args, **kwargs) -> Any:
-        """Call ``method`` on every rank; rank 0's answer."""
-        return self._all(method, *args, **kwargs)[0]
+    def first(self, call: Callable[[Any], Any], what: str, timeout_s: Optional[float] = None) -> Any:
+        """``call`` on every rank; rank 0's answer."""
+        return self.each(call, what, timeout_s)[0]
 
-    def call(self, role: str, method: str, *args, **kwargs) -> Any:
-        """``worker.method(*args)`` of role ``role`` on every rank; rank 0's answer."""
-        return self.run("call", role, method, *args, **kwargs)
+    def set_offloaded(self, offloaded: bool) -> None:
+        self.each(lambda rank: rank.set_offloaded.remote(offloaded), "offload" if offloaded else "onload")
+
+    def save(self, root: str, extra: dict) -> dict:
+        return self.first(lambda rank: rank.save.remote(root, extra), "save")
+
+    def load(self, root: str, step: int) -> dict:
+        return self.first(lambda rank: rank.load.remote(root, step), "load")
 
     def shutdown(self) -> None:
         import ray
 
         try:
-            self._all("shutdown", timeout_s=30.0)
+            self.each(lambda rank: rank.shutdown.remote(), "shutdown", timeout_s=30.0)
         except Exception:  # noqa: BLE001 - best effort on the way out
             pass
         for rank in self.ranks:
             ray.kill(rank)
-

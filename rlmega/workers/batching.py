@@ -32,8 +32,13 @@ class SequenceBatch:
     prompt_lengths: list[int]
     fields: dict[str, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
     """e.g. ``old_logp``, ``ref_logp``, ``advantages``, ``returns``, ``values``: ``[L_i - prompt_i]`` each."""
+    temperature: float = 1.0
+    """The sampling temperature of the responses: every log-prob and entropy of this batch is taken
+    under ``softmax(logits / temperature)``, the distribution the engine sampled from (0: greedy, as 1)."""
 
     def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if len(self.tokens) != len(self.prompt_lengths):
             raise ValueError(f"{len(self.tokens)} sequences but {len(self.prompt_lengths)} prompt lengths")
         for index, (tokens, prompt) in enumerate(zip(self.tokens, self.prompt_lengths)):
@@ -66,11 +71,16 @@ class SequenceBatch:
     def select(self, indices: list[int]) -> "SequenceBatch":
         return SequenceBatch(
             [self.tokens[i] for i in indices], [self.prompt_lengths[i] for i in indices],
-            {name: [values[i] for i in indices] for name, values in self.fields.items()},
+            {name: [values[i] for i in indices] for name, values in self.fields.items()}, self.temperature,
         )
 
     def with_fields(self, **fields: list[torch.Tensor]) -> "SequenceBatch":
-        return SequenceBatch(self.tokens, self.prompt_lengths, {**self.fields, **fields})
+        return SequenceBatch(self.tokens, self.prompt_lengths, {**self.fields, **fields}, self.temperature)
+
+    @property
+    def logit_scale(self) -> float:
+        """What the logits are divided by before a log-softmax (greedy decoding scores the raw logits)."""
+        return self.temperature if self.temperature > 0 else 1.0
 
 
 def balance_across_ranks(lengths: list[int], num_ranks: int) -> list[list[int]]:

@@ -4,6 +4,7 @@ they overlap, so recipes carry over."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Optional
 
 ROLES = ("actor", "ref", "critic")
@@ -60,13 +61,36 @@ class BatchingConfig:
 
 @dataclasses.dataclass
 class PolicyLossConfig:
+    """The actor's loss: a policy loss of ``rlmega.algos.POLICY_LOSSES`` by name, its parameters, and
+    the entropy and KL terms. A loss parameter left at None takes that loss's own default (PPO's
+    clip range is 0.2, GSPO's 3e-4 / 4e-4); setting one the chosen loss does not take is refused."""
+
     name: str = "ppo"
-    """A key of ``rlmega.algos.POLICY_LOSSES`` (ppo, clip_higher, dual_clip, gspo, cispo)."""
-    clip_ratio_low: float = 0.2
+    """A key of ``rlmega.algos.POLICY_LOSSES`` (ppo, vanilla, clip_higher, dual_clip, gspo, cispo, sapo,
+    clip_cov, kl_cov, geo_mean, gpg, reinforce)."""
+    clip_ratio_low: Optional[float] = None
     clip_ratio_high: Optional[float] = None
-    """None: same as ``clip_ratio_low``; DAPO's clip-higher uses 0.28."""
+    """None: the loss's default (PPO: same as ``clip_ratio_low``; DAPO's clip-higher uses 0.28)."""
     clip_ratio_c: Optional[float] = None
-    """Dual-clip bound for negative advantages (> 1), or None."""
+    """Dual-clip bound for negative advantages (> 1)."""
+    clamp_log_ratio: bool = True
+    """Clamp ``logp - old_logp`` before exponentiating (verl's ±20; GSPO's sequence ratio ±10), so one
+    token with a huge ratio cannot overflow the loss; False turns the clamp off."""
+    log_ratio_clamp: Optional[float] = None
+    """The clamp's bound; None: the loss's default (20, GSPO 10)."""
+    tau_pos: Optional[float] = None
+    """SAPO: gate temperature for positive advantages."""
+    tau_neg: Optional[float] = None
+    """SAPO: gate temperature for negative advantages."""
+    clip_cov_ratio: Optional[float] = None
+    """Clip-Cov: fraction of tokens whose gradient is detached."""
+    clip_cov_lb: Optional[float] = None
+    clip_cov_ub: Optional[float] = None
+    """Clip-Cov: covariance band of the tokens that may be picked."""
+    kl_cov_ratio: Optional[float] = None
+    """KL-Cov: fraction of tokens (highest covariance) that get the KL penalty."""
+    ppo_kl_coef: Optional[float] = None
+    """KL-Cov: coefficient of that penalty."""
     loss_agg_mode: str = "token-mean"
     norm_horizon: Optional[float] = None
     """Constant H of ``seq-mean-token-sum-norm`` (e.g. the max response length)."""
@@ -74,17 +98,29 @@ class PolicyLossConfig:
     kl_loss_coef: float = 0.0
     """Coefficient of the KL-to-reference loss (GRPO); 0 disables it and the reference is not needed."""
     kl_estimator: str = "low_var_kl"
+    """A key of ``rlmega.algos.KL_ESTIMATORS``: the estimator of the KL loss, and of the KL in the
+    reward (``algorithm.kl_in_reward_coef``)."""
 
     def loss_kwargs(self) -> dict:
-        """Keyword arguments of the chosen policy loss that this config sets."""
-        kwargs = {"loss_agg_mode": self.loss_agg_mode, "norm_horizon": self.norm_horizon}
-        if self.name in ("ppo", "vanilla", "clip_higher", "dual_clip"):
-            kwargs.update(clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high)
-            if self.clip_ratio_c is not None:
-                kwargs["clip_ratio_c"] = self.clip_ratio_c
-        elif self.name in ("gspo", "cispo") and self.clip_ratio_high is not None:
-            kwargs.update(clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high)
+        """The chosen loss's keyword arguments that this config sets (None fields are left to the loss)."""
+        from rlmega.algos import get_policy_loss
+
+        accepted = inspect.signature(get_policy_loss(self.name)).parameters
+        settings = {name: getattr(self, name) for name in LOSS_PARAMETERS if getattr(self, name) is not None}
+        unknown = sorted(set(settings) - set(accepted))
+        if unknown:
+            raise ValueError(f"policy_loss.{unknown[0]} is not a parameter of policy loss {self.name!r} "
+                             f"(it takes {', '.join(p for p in accepted if p in LOSS_PARAMETERS) or 'none of them'}); "
+                             f"unset it with policy_loss.{unknown[0]}=null")
+        kwargs = {"loss_agg_mode": self.loss_agg_mode, "norm_horizon": self.norm_horizon, **settings}
+        if "log_ratio_clamp" in accepted and not self.clamp_log_ratio:
+            kwargs["log_ratio_clamp"] = None
         return kwargs
+
+
+# Loss parameters the config passes by name when set (see PolicyLossConfig.loss_kwargs).
+LOSS_PARAMETERS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "log_ratio_clamp", "tau_pos", "tau_neg",
+                   "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")
 
 
 @dataclasses.dataclass
@@ -113,7 +149,6 @@ class WorkerConfig:
     offload: bool = False
     """Keep parameters (and gradients, optimizer state) in host memory between calls; for a reference
     model, or when training shares devices with rollout engines."""
-    seed: int = 1234
 
     def __post_init__(self):
         if self.role not in ROLES:

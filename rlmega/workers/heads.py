@@ -29,11 +29,14 @@ def _response_rows(micro_batch: MicroBatch, output: torch.Tensor) -> torch.Tenso
     return flat.index_select(0, micro_batch.response_positions.to(flat.device))
 
 
-def _logprobs(micro_batch: MicroBatch, output: torch.Tensor, vocab_size: int, chunk_tokens: int):
-    """``[N]`` log-probs and entropies of the micro-batch's response tokens (gathered over CP ranks)."""
+def _logprobs(micro_batch: MicroBatch, output: torch.Tensor, vocab_size: int, chunk_tokens: int, logit_scale: float = 1.0):
+    """``[N]`` log-probs and entropies of the micro-batch's response tokens under
+    ``softmax(logits / logit_scale)`` (the sampling temperature), gathered over CP ranks."""
     from megatron.core import parallel_state as ps
 
     rows = _response_rows(micro_batch, output)
+    if logit_scale != 1.0:
+        rows = rows / logit_scale
     logp, entropy = vocab_parallel_logprobs(
         rows, micro_batch.response_targets.to(rows.device), vocab_size=vocab_size,
         vocab_start=ps.get_tensor_model_parallel_rank() * rows.shape[-1],
@@ -52,11 +55,11 @@ def _attached(output: torch.Tensor) -> torch.Tensor:
     return output.sum() * 0.0
 
 
-def logprob_head(vocab_size: int, chunk_tokens: int) -> Head:
-    """Per-token log-probs and entropies of the response tokens (forward only)."""
+def logprob_head(vocab_size: int, chunk_tokens: int, logit_scale: float = 1.0) -> Head:
+    """Per-token log-probs and entropies of the response tokens under ``softmax(logits / logit_scale)`` (forward only)."""
 
     def head(micro_batch: MicroBatch, output: torch.Tensor) -> HeadResult:
-        logp, entropy = _logprobs(micro_batch, output, vocab_size, chunk_tokens)
+        logp, entropy = _logprobs(micro_batch, output, vocab_size, chunk_tokens, logit_scale)
         return HeadResult(loss=_attached(output), outputs={"logprobs": logp, "entropy": entropy})
 
     return head
@@ -97,12 +100,12 @@ def policy_head(
 ) -> Head:
     """The actor's loss on the micro-batches of ``batch`` (needs fields ``old_logp``, ``advantages``;
     ``ref_logp`` with a KL loss; optional ``response_mask`` and ``rollout_is_weights``)."""
-    loss_fn = get_policy_loss(config.name)
+    loss_fn, loss_kwargs = get_policy_loss(config.name), config.loss_kwargs()
     denominators = global_denominators(batch)
     aggregation = dict(loss_agg_mode=config.loss_agg_mode, global_denominators=denominators, norm_horizon=config.norm_horizon)
 
     def head(micro_batch: MicroBatch, output: torch.Tensor) -> HeadResult:
-        logp_flat, entropy_flat = _logprobs(micro_batch, output, vocab_size, chunk_tokens)
+        logp_flat, entropy_flat = _logprobs(micro_batch, output, vocab_size, chunk_tokens, batch.logit_scale)
         device = logp_flat.device
         logp, entropy = split_padded(logp_flat, micro_batch.response_lengths), split_padded(entropy_flat, micro_batch.response_lengths)
         mask = _mask(batch, micro_batch, device)
@@ -111,7 +114,7 @@ def policy_head(
             extra["rollout_is_weights"] = _field(batch, "rollout_is_weights", micro_batch, device)
         pg_loss, metrics = loss_fn(
             logp, _field(batch, "old_logp", micro_batch, device), _field(batch, "advantages", micro_batch, device),
-            mask, **config.loss_kwargs(), global_denominators=denominators, **extra,
+            mask, **loss_kwargs, global_denominators=denominators, **extra,
         )
         summed = {"pg_loss": pg_loss.detach()}
         loss = pg_loss

@@ -61,11 +61,12 @@ class MegatronWorker:
     # ---- forward passes -------------------------------------------------------------------
 
     def compute_logprobs(self, batch: SequenceBatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per sequence, the log-probs and entropies ``[R_i]`` of its response tokens (fp32)."""
+        """Per sequence, the log-probs and entropies ``[R_i]`` of its response tokens (fp32), under
+        the batch's sampling temperature (``softmax(logits / batch.temperature)``)."""
         if self.config.role == "critic":
             raise RuntimeError("compute_logprobs needs an actor or ref worker; this one is a critic")
         micro_batches = self._micro_batches(batch)
-        head = heads.logprob_head(self.spec.vocab_size, self.config.batching.logprob_chunk_tokens)
+        head = heads.logprob_head(self.spec.vocab_size, self.config.batching.logprob_chunk_tokens, batch.logit_scale)
         with self._on_device(), torch.no_grad():
             results = run_schedule(self.chunks, micro_batches, head, forward_only=True)
         lengths = batch.response_lengths

@@ -13,6 +13,12 @@ PROPERTY_SETTINGS = settings(max_examples=30, deadline=None, database=None)
 
 AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 PPO_FAMILY = ["ppo", "vanilla", "clip_higher", "dual_clip", "gspo", "cispo"]
+ALL_POLICY_LOSSES = [*PPO_FAMILY, "gpg", "reinforce", "sapo", "geo_mean", "clip_cov", "kl_cov"]
+# Clip-Cov and KL-Cov pick tokens by a covariance over the tokens of each call (micro-batch), so
+# their loss depends on how the batch is split: they are exempt from split-invariance.
+PER_CALL_SELECTION = ["clip_cov", "kl_cov"]
+# Losses that clip a ratio and report pg_clipfrac, pg_clipfrac_high and pg_clipfrac_low.
+RATIO_CLIPPING_LOSSES = [*PPO_FAMILY, "geo_mean", "clip_cov"]
 
 # (seed, batch size, number of token columns)
 batch_shapes = st.tuples(st.integers(0, 2**31 - 1), st.integers(1, 6), st.integers(1, 7))
@@ -48,6 +54,11 @@ def make_batch(seed: int, batch_size: int, num_tokens: int, log_ratio_scale: flo
         scores=torch.randn(batch_size, generator=generator, dtype=torch.float64),
         mask=mask,
     )
+
+
+def policy_loss_extras(loss_name: str, seed: int = 0) -> dict:
+    """Keyword arguments a loss needs to be deterministic: Clip-Cov's random draw gets a seeded generator."""
+    return {"generator": torch.Generator().manual_seed(seed)} if loss_name == "clip_cov" else {}
 
 
 def garbage_like(tensor: torch.Tensor, seed: int) -> torch.Tensor:

@@ -1,8 +1,10 @@
-"""Advantage estimators: GAE, GRPO / Dr. GRPO, RLOO, REINFORCE++ (+baseline), ReMax."""
+"""Advantage estimators: GAE, GRPO / Dr. GRPO, RLOO, REINFORCE++ (+baseline), ReMax, GPG, GRPO pass@k."""
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections import defaultdict
 
 import pytest
 import torch
@@ -13,7 +15,9 @@ from rlmega.algos import (
     ADVANTAGE_ESTIMATORS,
     compute_dr_grpo_outcome_advantages,
     compute_gae_advantages,
+    compute_gpg_outcome_advantages,
     compute_grpo_outcome_advantages,
+    compute_grpo_passk_outcome_advantages,
     compute_reinforce_plus_plus_advantages,
     compute_reinforce_plus_plus_baseline_advantages,
     compute_remax_outcome_advantages,
@@ -195,6 +199,42 @@ def test_remax_by_hand() -> None:
     torch.testing.assert_close(returns, _tensor([[1.0, 1.0], [0.2, 0.0]]), rtol=0, atol=1e-12)
 
 
+# ------------------------------------------------------------------------------------ GPG, pass@k
+
+
+def test_gpg_by_hand() -> None:
+    # 3 of the 6 scores are nonzero (1, 0.5, 3): alpha = 6 / 3 = 2, times the group-centred scores
+    # (2/3, -1/4, -1/3, 1/4, -1/3, 0); the singleton c gets 0.
+    expected = [4 / 3, -0.5, -2 / 3, 0.5, -2 / 3, 0.0]
+    for group_ids in (STRING_IDS, TENSOR_IDS):
+        advantages, returns = compute_gpg_outcome_advantages(SCORES, MASK, group_ids)
+        torch.testing.assert_close(advantages, _expected_tokens(expected), rtol=0, atol=1e-12)
+        torch.testing.assert_close(returns, _expected_tokens(SCORES.tolist()), rtol=0, atol=0)
+
+
+def test_gpg_all_zero_scores_give_zero() -> None:
+    advantages, _ = compute_gpg_outcome_advantages(_tensor([0.0, 0.0]), _tensor([[1], [1]]), [0, 0])
+    assert torch.equal(advantages, torch.zeros(2, 1, dtype=F64))
+
+
+def test_grpo_passk_by_hand() -> None:
+    # a = (1, 0, 0): sample 0 is best, gap 1 - 0, std sqrt(1/3); b = (0, 0.5): sample 3, gap 0.5,
+    # std sqrt(1/8); c: singleton -> 0. Everybody else 0.
+    eps = 1e-6
+    expected = [1 / (math.sqrt(1 / 3) + eps), 0.0, 0.0, 0.5 / (math.sqrt(0.125) + eps), 0.0, 0.0]
+    for group_ids in (STRING_IDS, TENSOR_IDS):
+        advantages, returns = compute_grpo_passk_outcome_advantages(SCORES, MASK, group_ids)
+        torch.testing.assert_close(advantages, _expected_tokens(expected), rtol=0, atol=1e-12)
+        torch.testing.assert_close(returns, _expected_tokens(SCORES.tolist()), rtol=0, atol=0)
+    unscaled, _ = compute_grpo_passk_outcome_advantages(SCORES, MASK, STRING_IDS, normalize_by_std=False)
+    torch.testing.assert_close(unscaled, _expected_tokens([1.0, 0.0, 0.0, 0.5, 0.0, 0.0]), rtol=0, atol=1e-12)
+
+
+def test_grpo_passk_tied_best_gives_zero() -> None:
+    advantages, _ = compute_grpo_passk_outcome_advantages(_tensor([1.0, 0.0, 1.0]), torch.ones(3, 2), [5, 5, 5])
+    assert torch.equal(advantages, torch.zeros(3, 2, dtype=F64))
+
+
 # ---------------------------------------------------------------------------------- input checks
 
 
@@ -226,6 +266,22 @@ def test_registry_has_all_estimators() -> None:
     assert ADVANTAGE_ESTIMATORS["reinforce_plus_plus"] is compute_reinforce_plus_plus_advantages
     assert ADVANTAGE_ESTIMATORS["reinforce_plus_plus_baseline"] is compute_reinforce_plus_plus_baseline_advantages
     assert ADVANTAGE_ESTIMATORS["remax"] is compute_remax_outcome_advantages
+    assert ADVANTAGE_ESTIMATORS["gpg"] is compute_gpg_outcome_advantages
+    assert ADVANTAGE_ESTIMATORS["grpo_passk"] is compute_grpo_passk_outcome_advantages
+
+
+# The trainer passes an estimator the inputs its parameters name, from this set only.
+ESTIMATOR_INPUTS = {
+    "scores", "token_level_rewards", "values", "response_mask", "group_ids", "baseline_scores",
+    "gamma", "lam", "normalize_by_std", "epsilon", "whiten",
+}
+
+
+@pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS))
+def test_estimators_take_only_known_inputs(name: str) -> None:
+    parameters = inspect.signature(ADVANTAGE_ESTIMATORS[name]).parameters
+    assert set(parameters) <= ESTIMATOR_INPUTS
+    assert "response_mask" in parameters
 
 
 # ------------------------------------------------------------------------------------ properties
@@ -247,7 +303,7 @@ def _random_outcome_batch(seed: int, group_of_sample: list[int]) -> tuple[torch.
 @given(
     seed=st.integers(0, 2**31 - 1),
     group_of_sample=group_layouts,
-    estimator=st.sampled_from(["grpo", "dr_grpo", "rloo"]),
+    estimator=st.sampled_from(["grpo", "dr_grpo", "rloo", "gpg"]),
 )
 def test_group_advantages_have_zero_mean_per_group(seed: int, group_of_sample: list[int], estimator: str) -> None:
     scores, mask = _random_outcome_batch(seed, group_of_sample)
@@ -262,7 +318,9 @@ def test_group_advantages_have_zero_mean_per_group(seed: int, group_of_sample: l
 
 @PROPERTY_SETTINGS
 @given(seed=st.integers(0, 2**31 - 1), group_of_sample=group_layouts)
-@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize(
+    "estimator", ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "gpg", "grpo_passk"]
+)
 def test_group_estimators_are_permutation_equivariant(estimator: str, seed: int, group_of_sample: list[int]) -> None:
     scores, mask = _random_outcome_batch(seed, group_of_sample)
     permutation = torch.randperm(len(group_of_sample), generator=torch.Generator().manual_seed(seed))
@@ -290,7 +348,7 @@ def test_padding_never_leaks_into_advantages(shape: tuple[int, int, int]) -> Non
             *compute_reinforce_plus_plus_advantages(rewards, batch.mask, gamma=0.9),
             masked_whiten(values, batch.mask),
         ]
-        for name in ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"):
+        for name in ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "gpg", "grpo_passk"):
             outputs.extend(ADVANTAGE_ESTIMATORS[name](batch.scores, batch.mask, group_ids))
         outputs.extend(compute_remax_outcome_advantages(batch.scores, batch.scores * 0.5, batch.mask))
         return outputs
@@ -317,3 +375,60 @@ def test_whitened_advantages_have_zero_mean_unit_variance(shape: tuple[int, int,
     expected_variance = (raw_variance / (raw_variance + 1e-8)).item()
     assert abs(valid.sum().item()) < 1e-9
     assert (valid.var(unbiased=False).item() if valid.numel() else 0.0) == pytest.approx(expected_variance, abs=1e-9)
+
+
+# ------------------------------------------------------------------------ loop references of verl
+
+
+def _verl_gpg(scores: list[float], group_of_sample: list[int]) -> list[float]:
+    """verl's compute_gpg_outcome_advantage as a loop (groups of size >= 2)."""
+    alpha = len(scores) / max(sum(1 for s in scores if s != 0), 1)
+    members = defaultdict(list)
+    for score, group in zip(scores, group_of_sample):
+        members[group].append(score)
+    return [alpha * (s - sum(members[g]) / len(members[g])) for s, g in zip(scores, group_of_sample)]
+
+
+def _verl_grpo_passk(scores: list[float], group_of_sample: list[int], normalize_by_std: bool) -> list[float]:
+    """verl's compute_grpo_passk_outcome_advantage as a loop (groups of size >= 2)."""
+    advantages = [0.0] * len(scores)
+    members = defaultdict(list)
+    for i, group in enumerate(group_of_sample):
+        members[group].append(i)
+    for indices in members.values():
+        ranked = sorted(indices, key=lambda i: -scores[i])
+        advantage = scores[ranked[0]] - scores[ranked[1]]
+        if normalize_by_std:
+            mean = sum(scores[i] for i in indices) / len(indices)
+            std = math.sqrt(sum((scores[i] - mean) ** 2 for i in indices) / (len(indices) - 1))
+            advantage /= std + 1e-6
+        advantages[ranked[0]] = advantage
+    return advantages
+
+
+@PROPERTY_SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), group_of_sample=group_layouts, continuous=st.booleans())
+@pytest.mark.parametrize("normalize_by_std", [True, False])
+def test_gpg_and_grpo_passk_match_verl(
+    seed: int, group_of_sample: list[int], continuous: bool, normalize_by_std: bool
+) -> None:
+    scores, mask = _random_outcome_batch(seed, group_of_sample)
+    if continuous:  # distinct scores; otherwise few values with ties and zeros, as from verifiers
+        scores = torch.randn(len(scores), generator=torch.Generator().manual_seed(seed), dtype=F64)
+    sizes = {g: group_of_sample.count(g) for g in group_of_sample}
+    in_pairs = [i for i, g in enumerate(group_of_sample) if sizes[g] >= 2]  # verl's domain
+    singletons = [i for i, g in enumerate(group_of_sample) if sizes[g] == 1]
+
+    gpg, _ = compute_gpg_outcome_advantages(scores, mask, group_of_sample)
+    expected_gpg = _verl_gpg(scores.tolist(), group_of_sample)
+    passk, _ = compute_grpo_passk_outcome_advantages(scores, mask, group_of_sample, normalize_by_std=normalize_by_std)
+    subset = [group_of_sample[i] for i in in_pairs]
+    expected_passk = _verl_grpo_passk([scores[i].item() for i in in_pairs], subset, normalize_by_std)
+    for position, i in enumerate(in_pairs):
+        assert gpg[i, 0].item() == pytest.approx(expected_gpg[i], abs=1e-10)
+        assert passk[i, 0].item() == pytest.approx(expected_passk[position], abs=1e-10)
+    for i in singletons:  # verl: alpha * s for GPG, an error for pass@k; here 0 (no baseline)
+        assert gpg[i, 0].item() == 0.0
+        assert passk[i, 0].item() == 0.0
+    torch.testing.assert_close(gpg, gpg[:, :1] * mask, rtol=0, atol=0)
+    torch.testing.assert_close(passk, passk[:, :1] * mask, rtol=0, atol=0)

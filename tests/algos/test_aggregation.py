@@ -21,7 +21,8 @@ from rlmega.algos import (
 
 from .helpers import (
     AGG_MODES,
-    PPO_FAMILY,
+    ALL_POLICY_LOSSES,
+    PER_CALL_SELECTION,
     PROPERTY_SETTINGS,
     batch_shapes,
     garbage_like,
@@ -183,16 +184,18 @@ def test_plain_aggregation_is_split_invariant(mode: str, shape: tuple[int, int, 
     _split_matches_full_batch(nonlinear_loss, {"logp": batch.logp}, batch.mask, mode, seed, num_tokens)
 
 
-@PROPERTY_SETTINGS
-@given(shape=batch_shapes)
-@pytest.mark.parametrize("mode", AGG_MODES)
-@pytest.mark.parametrize("loss_name", PPO_FAMILY)
-def test_policy_losses_are_split_invariant(loss_name: str, mode: str, shape: tuple[int, int, int]) -> None:
-    seed, batch_size, num_tokens = shape
-    batch = make_batch(seed, batch_size, num_tokens, log_ratio_scale=0.3)
-    weights = torch.rand(batch_size, num_tokens, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
-    inputs = {"logp": batch.logp, "old_logp": batch.old_logp, "advantages": batch.advantages, "weights": weights}
+SPLIT_INVARIANT_LOSSES = [name for name in ALL_POLICY_LOSSES if name not in PER_CALL_SELECTION]
+# With these settings Clip-Cov and KL-Cov select nothing that changes the loss: no covariance lies in
+# Clip-Cov's window, and KL-Cov's penalty has coefficient 0.
+NO_SELECTION = {"clip_cov": {"clip_cov_lb": 1e9, "clip_cov_ub": 2e9}, "kl_cov": {"ppo_kl_coef": 0.0}}
 
+
+def test_every_policy_loss_is_checked_for_split_invariance() -> None:
+    assert sorted(ALL_POLICY_LOSSES) == sorted(POLICY_LOSSES)
+    assert sorted(NO_SELECTION) == sorted(PER_CALL_SELECTION)
+
+
+def _policy_loss_fn(loss_name: str, **loss_kwargs) -> LossFn:
     def policy_loss(inputs, mask, mode, global_denominators, horizon):
         loss, _ = POLICY_LOSSES[loss_name](
             inputs["logp"],
@@ -203,10 +206,71 @@ def test_policy_losses_are_split_invariant(loss_name: str, mode: str, shape: tup
             global_denominators=global_denominators,
             norm_horizon=horizon,
             rollout_is_weights=inputs["weights"],
+            **loss_kwargs,
         )
         return loss
 
-    _split_matches_full_batch(policy_loss, inputs, batch.mask, mode, seed, num_tokens)
+    return policy_loss
+
+
+def _policy_inputs(seed: int, batch_size: int, num_tokens: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    batch = make_batch(seed, batch_size, num_tokens, log_ratio_scale=0.3)
+    weights = torch.rand(batch_size, num_tokens, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    inputs = {"logp": batch.logp, "old_logp": batch.old_logp, "advantages": batch.advantages, "weights": weights}
+    return inputs, batch.mask
+
+
+@PROPERTY_SETTINGS
+@given(shape=batch_shapes)
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("loss_name", SPLIT_INVARIANT_LOSSES)
+def test_policy_losses_are_split_invariant(loss_name: str, mode: str, shape: tuple[int, int, int]) -> None:
+    seed, batch_size, num_tokens = shape
+    inputs, mask = _policy_inputs(seed, batch_size, num_tokens)
+    _split_matches_full_batch(_policy_loss_fn(loss_name), inputs, mask, mode, seed, num_tokens)
+
+
+@PROPERTY_SETTINGS
+@given(shape=batch_shapes)
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("loss_name", PER_CALL_SELECTION)
+def test_covariance_losses_keep_the_denominator_contract_without_selection(
+    loss_name: str, mode: str, shape: tuple[int, int, int]
+) -> None:
+    seed, batch_size, num_tokens = shape
+    inputs, mask = _policy_inputs(seed, batch_size, num_tokens)
+    loss_fn = _policy_loss_fn(loss_name, **NO_SELECTION[loss_name])
+    _split_matches_full_batch(loss_fn, inputs, mask, mode, seed, num_tokens)
+
+
+@pytest.mark.parametrize("loss_name", PER_CALL_SELECTION)
+def test_covariance_losses_select_per_call(loss_name: str) -> None:
+    # Two identical rows, 3 tokens each. Per row (and over both) the covariance is (2, 2, 0):
+    # A = (2, -2, 0) has mean 0, logp = (-1, -3, -2) has mean -2. Each call treats at least one
+    # token (k = max(1, floor(2e-4 * N))), so two one-row calls treat two tokens, one call over
+    # both rows treats one: the split changes the loss.
+    logp = torch.tensor([[-1.0, -3.0, -2.0]] * 2, dtype=torch.float64)
+    old_logp = logp - 0.1  # ratio e^0.1 < 1.2: PPO clips nothing; KL-Cov's penalty is 0.1 per token
+    advantages = torch.tensor([[2.0, -2.0, 0.0]] * 2, dtype=torch.float64)
+    mask = torch.ones(2, 3, dtype=torch.float64)
+    loss_kwargs = {"ppo_kl_coef": 1.0} if loss_name == "kl_cov" else {}
+    denominators = count_loss_denominators(mask)
+    frac_name = f"{loss_name}_frac"
+
+    def call(rows: slice, seed: int):
+        extras = {"generator": torch.Generator().manual_seed(seed)} if loss_name == "clip_cov" else {}
+        return POLICY_LOSSES[loss_name](
+            logp[rows], old_logp[rows], advantages[rows], mask[rows],
+            global_denominators=denominators, **loss_kwargs, **extras,
+        )
+
+    full_loss, full_metrics = call(slice(0, 2), 0)
+    (first_loss, first_metrics), (second_loss, second_metrics) = call(slice(0, 1), 1), call(slice(1, 2), 2)
+    assert full_metrics[frac_name].item() * 6 == pytest.approx(1.0)
+    assert first_metrics[frac_name].item() * 3 == pytest.approx(1.0)
+    assert second_metrics[frac_name].item() * 3 == pytest.approx(1.0)
+    # One more token treated: Clip-Cov drops another -A r = -2 e^0.1 or +2 e^0.1, KL-Cov adds 0.1.
+    assert (first_loss + second_loss).item() != pytest.approx(full_loss.item(), abs=1e-6)
 
 
 @PROPERTY_SETTINGS

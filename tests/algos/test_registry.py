@@ -9,10 +9,17 @@ from rlmega.algos import (
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
     POLICY_LOSSES,
+    clip_cov_policy_loss,
+    compute_gpg_outcome_advantages,
+    compute_grpo_passk_outcome_advantages,
+    geo_mean_policy_loss,
     get_advantage_estimator,
     get_kl_estimator,
     get_loss_agg_mode,
     get_policy_loss,
+    kl_cov_policy_loss,
+    reinforce_policy_loss,
+    sapo_policy_loss,
 )
 
 LOOKUPS = [
@@ -26,10 +33,24 @@ LOOKUPS = [
 def test_registries_hold_the_expected_names() -> None:
     assert set(ADVANTAGE_ESTIMATORS) == {
         "gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
+        "gpg", "grpo_passk",
     }
-    assert set(POLICY_LOSSES) == {"ppo", "vanilla", "clip_higher", "dual_clip", "gspo", "cispo"}
+    assert set(POLICY_LOSSES) == {
+        "ppo", "vanilla", "clip_higher", "dual_clip", "gspo", "cispo",
+        "gpg", "reinforce", "sapo", "geo_mean", "clip_cov", "kl_cov",
+    }
     assert set(KL_ESTIMATORS) == {"k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "full"}
     assert set(LOSS_AGG_MODES) == {"token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"}
+
+
+def test_new_names_resolve_to_their_functions() -> None:
+    assert get_advantage_estimator("gpg") is compute_gpg_outcome_advantages
+    assert get_advantage_estimator("grpo_passk") is compute_grpo_passk_outcome_advantages
+    assert get_policy_loss("gpg") is get_policy_loss("reinforce") is reinforce_policy_loss
+    assert get_policy_loss("sapo") is sapo_policy_loss
+    assert get_policy_loss("geo_mean") is geo_mean_policy_loss
+    assert get_policy_loss("clip_cov") is clip_cov_policy_loss
+    assert get_policy_loss("kl_cov") is kl_cov_policy_loss
 
 
 @pytest.mark.parametrize(("get", "registry", "kind"), LOOKUPS)

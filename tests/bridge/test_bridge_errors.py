@@ -12,7 +12,7 @@ from hf_models import save_tiny_model
 from rlmega.bridge import HFCheckpoint, load_hf_weights
 from rlmega.models import UnsupportedModelError, build_chunks, model_spec_from_hf
 from rlmega.parallel.layout import ParallelLayout, destroy, initialize
-from rlmega.testing.multirank import RankFailure, run_on_ranks
+from rlmega.parallel.spawn import RankFailure, run_on_ranks
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from hf_models import VOCAB, probe_tokens, save_tiny_model
 from rlmega.bridge import export_hf_weights, load_hf_weights
 from rlmega.models import build_chunks, model_spec_from_hf
 from rlmega.parallel.layout import ParallelLayout, destroy, initialize
-from rlmega.testing.multirank import run_on_ranks
+from rlmega.parallel.spawn import run_on_ranks
 
 LOGITS_ATOL = 1e-4  # fp32; the acceptance bound for HF vs Megatron logits
 TIMEOUT_S = 180

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from deepseek_models import VARIANTS, save_tiny_deepseek, tiny_config
 from rlmega.models import UnsupportedModelError, has_transformer_engine, model_spec_from_hf
 from rlmega.parallel.layout import ParallelLayout
-from rlmega.testing.multirank import run_on_ranks
+from rlmega.parallel.spawn import run_on_ranks
 from test_bridge_roundtrip import TIMEOUT_S, _import_run_export, _world_size, assert_round_trip
 
 

@@ -21,7 +21,7 @@ from rlmega.bridge import export_hf_weights, load_hf_weights
 from rlmega.bridge.params import local_params, unwrap
 from rlmega.models import UnsupportedModelError, build_chunks, model_spec_from_hf, padded_vocab_size
 from rlmega.parallel.layout import ParallelLayout, destroy, initialize
-from rlmega.testing.multirank import RankFailure, run_on_ranks
+from rlmega.parallel.spawn import RankFailure, run_on_ranks
 from test_bridge_roundtrip import LOGITS_ATOL, TIMEOUT_S, _megatron_logits, _world_size, assert_round_trip
 
 MTP = f"model.layers.{MTP_LAYER}"

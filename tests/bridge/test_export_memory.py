@@ -8,7 +8,7 @@ import psutil
 from rlmega.bridge import export_hf_weights
 from rlmega.models import build_chunks, model_spec_from_hf
 from rlmega.parallel.layout import ParallelLayout, destroy, initialize
-from rlmega.testing.multirank import run_on_ranks
+from rlmega.parallel.spawn import run_on_ranks
 
 MIB = 1024**2
 BUCKET_BYTES = 32 * MIB

@@ -15,7 +15,7 @@ from rlmega.models import build_chunks, model_spec_from_hf
 from rlmega.parallel.layout import ParallelLayout, destroy, initialize
 from rlmega.rollout import HFEngine
 from rlmega.sync import WeightSyncError, post_sync_check, push_weights
-from rlmega.testing.multirank import run_on_ranks
+from rlmega.parallel.spawn import run_on_ranks
 from rlmega.workers.logprobs import vocab_parallel_logprobs
 
 PROMPTS = [[5, 17, 42, 8], [3, 99, 64]]

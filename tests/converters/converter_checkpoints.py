@@ -9,7 +9,7 @@ converter's output must equal bit for bit.
 from pathlib import Path
 
 from rlmega.parallel.layout import ParallelLayout
-from rlmega.testing.multirank import run_on_ranks
+from rlmega.parallel.spawn import run_on_ranks
 
 ITERATION = 10
 TIMEOUT_S = 180
@@ -28,7 +28,7 @@ def _save_and_export(rank, world_size, layout, hf_dir, directory):
     from rlmega.bridge import export_hf_weights
     from rlmega.models import build_chunks, model_spec_from_hf
     from rlmega.parallel.layout import destroy, initialize
-    from rlmega.testing.tiny_gpt import build_optimizer
+    from rlmega.models.tiny_gpt import build_optimizer
 
     initialize(layout)
     spec = model_spec_from_hf(hf_dir)

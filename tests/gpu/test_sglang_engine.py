@@ -1,4 +1,4 @@
-"""The real SGLang 0.5.3 behind SGLangEngine on a tiny Llama: greedy equals HF, raw log-probs (with
+"""The real SGLang 0.5.3 behind SGLangEngine on a tiny Llama: greedy equals HF, temperature-scaled log-probs (without
 RETURN_ORIGINAL_LOGPROB), weight updates, sleep/wake. Needs CUDA and `pip install -e .[sglang]`
 (tests/gpu/run_gpu_checks.sh)."""
 

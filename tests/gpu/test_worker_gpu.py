@@ -12,7 +12,7 @@ import torch
 
 from rlmega.models import model_spec_from_hf
 from rlmega.parallel.layout import ParallelLayout, destroy, initialize
-from rlmega.testing.multirank import free_port
+from rlmega.parallel.spawn import free_port
 from rlmega.workers.batching import SequenceBatch
 from rlmega.workers.config import BatchingConfig, OptimizerConfig, PolicyLossConfig, WorkerConfig
 from rlmega.workers.worker import MegatronWorker

@@ -68,12 +68,13 @@ def test_greedy_stops_where_transformers_stops(engine, reference):
     SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_new_tokens=MAX_NEW, n=2, seed=8),
     SamplingParams(temperature=0, max_new_tokens=MAX_NEW),
 ], ids=["plain", "filtered", "greedy"])
-def test_logprobs_are_raw_logit_logprobs_of_a_teacher_forced_pass(engine, reference, sampling):
+def test_logprobs_are_tempered_logprobs_of_a_teacher_forced_pass(engine, reference, sampling):
     generations = engine.generate(PROMPTS, sampling)
     for generation in generations:
         prompt = PROMPTS[generation.prompt_index]
         assert len(generation.logprobs) == len(generation.response_token_ids) == MAX_NEW
-        expected = teacher_forced_logprobs(reference, prompt, generation.response_token_ids)
+        expected = teacher_forced_logprobs(reference, prompt, generation.response_token_ids,
+                                           temperature=sampling.temperature or 1.0)
         torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=LOGPROB_ATOL, rtol=0)
 
 

@@ -27,9 +27,10 @@ def test_greedy_rows_take_the_argmax():
     torch.testing.assert_close(logprobs, torch.log(torch.tensor([0.5] * 3)), rtol=0, atol=1e-6)
 
 
-def test_logprobs_are_under_the_raw_logits_whatever_the_filters():
+def test_logprobs_are_under_the_tempered_logits_whatever_the_filters():
     tokens, logprobs = _draw(temperature=0.3, top_k=3, top_p=0.6)
-    torch.testing.assert_close(logprobs, torch.log_softmax(LOGITS, -1)[tokens], rtol=0, atol=1e-6)
+    torch.testing.assert_close(logprobs, torch.log_softmax(LOGITS / 0.3, -1)[tokens], rtol=0, atol=1e-6)
+    assert not torch.allclose(logprobs, torch.log_softmax(LOGITS, -1)[tokens])  # the raw logits would differ
 
 
 def test_top_k_keeps_the_k_most_likely_tokens():

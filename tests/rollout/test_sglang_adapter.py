@@ -40,7 +40,7 @@ def test_server_arguments_and_sampling_params(make_engine, llama_dir):
     import os
 
     engine = make_engine(llama_dir)
-    assert os.environ["RETURN_ORIGINAL_LOGPROB"] == "1"  # raw-logit log-probs from the scheduler processes
+    assert "RETURN_ORIGINAL_LOGPROB" not in os.environ  # temperature-scaled log-probs from the scheduler processes
     (_, kwargs), = _calls(engine, "__init__")
     assert kwargs == {"model_path": str(llama_dir), "mem_fraction_static": 0.5, "enable_deterministic_inference": True,
                       "enable_weights_cpu_backup": True, "skip_tokenizer_init": True, "enable_memory_saver": True}
@@ -63,7 +63,7 @@ def test_no_implicit_eos(make_engine, llama_dir, tmp_path):
     contract.check_no_implicit_eos(make_engine, llama_dir, tmp_path)
 
 
-def test_samples_are_prompt_major_seeded_with_raw_logprobs(make_engine, llama_dir):
+def test_samples_are_prompt_major_seeded_with_tempered_logprobs(make_engine, llama_dir):
     contract.check_samples(make_engine(llama_dir), llama_dir)
 
 

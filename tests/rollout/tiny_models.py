@@ -75,10 +75,11 @@ def stream(buckets: list[list[tuple[str, torch.Tensor]]]) -> Iterator[tuple[str,
 
 
 @torch.no_grad()
-def teacher_forced_logprobs(model: PreTrainedModel, prompt: list[int], response: list[int]) -> torch.Tensor:
-    """log_softmax of the raw logits at each response token, from one forward pass of prompt + response: [R]."""
+def teacher_forced_logprobs(model: PreTrainedModel, prompt: list[int], response: list[int],
+                            temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax of the logits / temperature at each response token, from one forward pass of prompt + response: [R]."""
     tokens = torch.tensor([prompt + response])
-    logits = model(tokens).logits[0, len(prompt) - 1:-1].float()
+    logits = model(tokens).logits[0, len(prompt) - 1:-1].float() / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
 
 

@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 from rlmega.rollout import HFEngine
 from rlmega.sync import make_transport
-from rlmega.testing.multirank import run_on_ranks
+from rlmega.parallel.spawn import run_on_ranks
 
 from .helpers import BUCKET_BYTES, buckets_of, send_all
 

@@ -8,7 +8,7 @@ from rlmega.models import build_chunks, model_spec_from_hf
 from rlmega.parallel.layout import ParallelLayout, destroy, initialize
 from rlmega.rollout import HFEngine
 from rlmega.sync import StaleWeightsError, TransportError, post_sync_check, push_weights
-from rlmega.testing.multirank import run_on_ranks
+from rlmega.parallel.spawn import run_on_ranks
 from rollout.tiny_models import checkpoint_tensors
 
 from .helpers import BUCKET_BYTES

@@ -19,11 +19,16 @@ def run_dir(tmp_path_factory):
     return run_dir
 
 
+ESTIMATOR_OF_ALGO = {"dapo": "grpo", "grpo": "grpo", "ppo": "gae", "reinforce_plus_plus": "reinforce_plus_plus",
+                     "rloo": "rloo"}
+
+
 @pytest.mark.parametrize("algo", sorted(p.stem for p in (CONFIG_DIR / "algo").glob("*.yaml")))
 def test_every_shipped_config_loads_and_validates(run_dir, algo):
     for config_file in sorted(CONFIG_DIR.glob("*.yaml")):
         config = load_config(config_file.stem, [f"run_dir={run_dir}", f"algo={algo}"])
-        assert isinstance(config, RLConfig) and config.algorithm.name == algo
+        assert isinstance(config, RLConfig) and config.algorithm.adv_estimator == ESTIMATOR_OF_ALGO[algo]
+        assert config.needs_critic == (algo == "ppo")
 
 
 def test_overrides_and_algorithm_groups_apply(run_dir):
@@ -37,7 +42,16 @@ def test_overrides_and_algorithm_groups_apply(run_dir):
     ("trainer.totl_steps=3", "totl_steps"),
     ("trainer.total_steps=many", "total_steps"),
     ("rollout.placement=everywhere", "rollout.placement"),
-    ("algorithm.name=sarsa", "algorithm.name"),
+    ("algorithm.adv_estimator=sarsa", "algorithm.adv_estimator: 'sarsa' is not one of dr_grpo, gae"),
+    ("actor.policy_loss.name=ppo2", "actor.policy_loss.name: 'ppo2' is not one of"),
+    ("actor.policy_loss.tau_pos=1.0", "policy_loss.tau_pos is not a parameter of policy loss 'ppo'"),
+    ("actor.policy_loss.kl_estimator=k9", "actor.policy_loss.kl_estimator"),
+    ("sync.transport=pigeon", "sync.transport: 'pigeon' is not one of auto"),
+    ("algorithm.rollout_correction.rollout_rs=token", "rollout_rs_threshold is required"),
+    ("layout.pp=2", "layout"),
+    ("rollout.backend=trt", "rollout.backend: 'trt' is not one of hf, vllm, sglang"),
+    ("resume=sometimes", "resume: 'sometimes' is not one of auto, never"),
+    ("layout.first_stage_layers=1", "need pipeline parallelism"),
     ("layout.tp=3", "layout"),
     ("layout.cp=0", "cp"),
     ("data.files=[/nonexistent.parquet]", "data.files"),
@@ -47,6 +61,16 @@ def test_overrides_and_algorithm_groups_apply(run_dir):
 def test_bad_values_are_refused_by_name(run_dir, override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config("tiny_cpu", [f"run_dir={run_dir}", override])
+
+
+def test_uneven_pipeline_stages_are_settable(run_dir):
+    config = load_config("tiny_cpu", [f"run_dir={run_dir}", "layout.pp=2", "layout.tp=1", "layout.first_stage_layers=1",
+                                      "layout.last_stage_layers=1"])
+    layout = config.layout.build()
+    assert layout.uneven_stages and (layout.first_stage_layers, layout.last_stage_layers, layout.pp) == (1, 1, 2)
+    with pytest.raises(ConfigError, match="first_stage_layers=2 and last_stage_layers=1 leaves -1 layers"):
+        load_config("tiny_cpu", [f"run_dir={run_dir}", "layout.pp=2", "layout.tp=1", "layout.first_stage_layers=2",
+                                 "layout.last_stage_layers=1"])
 
 
 def test_missing_model_names_the_field(tmp_path):
@@ -67,7 +91,13 @@ def _fields(cls, seen=None):
 
 def test_every_config_field_is_read_somewhere():
     """Each field name appears as an attribute read (``.name``) in rlmega's code (a definition,
-    ``name: type = default``, has no dot, so it does not count)."""
+    ``name: type = default``, has no dot, so it does not count), or in one of the tuples of fields
+    that are read by name (``getattr``) and passed on as keyword arguments."""
+    from rlmega.trainer.advantages import CONFIG_INPUTS
+    from rlmega.workers.config import LOSS_PARAMETERS
+
     sources = "\n".join(path.read_text() for path in (ROOT / "rlmega").rglob("*.py"))
-    unread = [f"{cls.__name__}.{name}" for cls, name in _fields(RLConfig) if not re.search(rf"\.{name}\b", sources)]
+    by_name = set(CONFIG_INPUTS.values()) | set(LOSS_PARAMETERS)
+    unread = [f"{cls.__name__}.{name}" for cls, name in _fields(RLConfig)
+              if name not in by_name and not re.search(rf"\.{name}\b", sources)]
     assert not unread, f"config fields nothing reads: {unread}"

@@ -264,7 +264,8 @@ def test_batch_metrics_hand_computed():
                                [-1.0, -3.0, 99.0, 99.0],  # columns past the length are padding
                                [0.5, 0.5, 0.5, 99.0],
                                [6.0, 99.0, 99.0, 99.0]])
-    out = batch_metrics(scores, lengths, max_response_length=4, advantages=advantages,
+    # A 4-token response that ended with its stop token is not truncated: only the engine's finish reason counts.
+    out = batch_metrics(scores, lengths, truncated=[False, True, False, False], advantages=advantages,
                         rewards=[0.9, -0.1, 0.4, 0.5], prompt_lengths=[7, 9, 8, 8])
     expected = {
         "critic/score/mean": 0.5, "critic/score/max": 1.0, "critic/score/min": 0.0,
@@ -283,15 +284,15 @@ def test_batch_metrics_hand_computed():
 def test_batch_metrics_mask_with_holes_and_sequence_advantages():
     advantages = torch.tensor([[1.0, 50.0, 3.0], [2.0, 2.0, 2.0]])
     mask = torch.tensor([[1, 0, 1], [0, 0, 1]])
-    out = batch_metrics(torch.tensor([1.0, 0.0]), torch.tensor([3, 3]), 8, advantages, response_mask=mask)
+    out = batch_metrics(torch.tensor([1.0, 0.0]), torch.tensor([3, 3]), [False, False], advantages, response_mask=mask)
     assert out["critic/advantages/mean"] == 2.0 and out["critic/advantages/max"] == 3.0
     assert out["response_length/clip_ratio"] == 0.0
-    out = batch_metrics([1.0, 0.0], [3, 3], 8, advantages=[0.5, -0.5])
+    out = batch_metrics([1.0, 0.0], [3, 3], [False, False], advantages=[0.5, -0.5])
     assert out["critic/advantages/mean"] == 0.0 and out["critic/advantages/min"] == -0.5
     with pytest.raises(ValueError, match="empty"):
-        batch_metrics([], [], 8)
+        batch_metrics([], [], [])
     with pytest.raises(ValueError, match=r"\[B\]"):
-        batch_metrics([1.0, 2.0], [3], 8)
+        batch_metrics([1.0, 2.0], [3], [False])
 
 
 def test_metrics_modules_import_neither_megatron_nor_ray():

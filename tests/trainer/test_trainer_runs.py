@@ -17,7 +17,7 @@ from rlmega.config import load_config
 from rlmega.trainer.assets import prepare_tiny_assets
 
 TINY = ["trainer.prompts_per_step=4", "rollout.n=4", "trainer.sft_steps=2", "trainer.val_every=0",
-        "trainer.save_every=1", "export_hf=false", "rollout.post_sync_check=true", "reward.num_workers=1"]
+        "trainer.save_every=1", "export_hf=false", "sync.post_sync_check=true", "reward.num_workers=1"]
 DETERMINISTIC = {"timing_s/", "perf/", "sync/gbps", "actor/perf", "critic/perf"}
 
 
@@ -50,13 +50,16 @@ def _comparable(row):
 
 
 @pytest.mark.parametrize("overrides", [
-    ["algo=grpo", "rollout.placement=colocated", "trainer.total_steps=2"],
+    ["algo=grpo", "rollout.placement=colocated", "trainer.total_steps=2", "rollout.temperature=0.7"],
     ["algo=dapo", "rollout.placement=disaggregated", "rollout.num_engines=2", "trainer.total_steps=2"],
     ["algo=ppo", "rollout.placement=disaggregated", "trainer.total_steps=2"],
     ["algo=reinforce_plus_plus", "trainer.total_steps=1", "layout.tp=1"],
     ["algo=rloo", "trainer.total_steps=1", "layout.tp=1", "layout.world_size=1"],
     ["algo=grpo", "trainer.total_steps=1", "layout.tp=1", "layout.cp=2"],
-], ids=["grpo-colocated", "dapo-disaggregated-2-engines", "ppo-critic", "reinforce++", "rloo", "grpo-cp2"])
+    ["algorithm.adv_estimator=remax", "actor.policy_loss.name=sapo", "trainer.total_steps=1", "layout.tp=1",
+     "layout.world_size=1"],
+], ids=["grpo-colocated-t0.7", "dapo-disaggregated-2-engines", "ppo-critic", "reinforce++", "rloo", "grpo-cp2",
+        "remax-sapo"])
 def test_algorithms_and_placements_run(tmp_path, assets, overrides):
     result = _train(tmp_path / "run", assets, *overrides)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -66,6 +69,8 @@ def test_algorithms_and_placements_run(tmp_path, assets, overrides):
     for row in rows:
         assert "actor/pg_loss" in row and "critic/score/mean" in row and "timing_s/gen" in row
         assert row["sync/max_logprob_diff"] < 1e-3  # the engines serve the trained weights
+        # The trainer scores the sampled batch under the distribution the engine sampled it from.
+        assert row["mismatch/abs_log_prob_diff_max"] < 1e-4
     if "algo=ppo" in overrides:
         assert "critic/vf_loss" in rows[-1]
     placement = json.loads((tmp_path / "run" / "placement.json").read_text())
@@ -100,18 +105,15 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path, assets):
 def test_dead_engine_stops_the_run_naming_it(tmp_path, assets):
     import ray
 
-    from rlmega.trainer.controller import Trainer
+    from rlmega.trainer.build import build_trainer
     from rlmega.trainer.remote import WorkerFailure
 
     _prepare(tmp_path, assets)
     config = load_config("tiny_cpu", [f"run_dir={tmp_path}", *TINY, "layout.tp=1", "layout.world_size=1",
                                       "rollout.placement=disaggregated", "cluster.timeout_s=60"])
-    trainer = Trainer(config)
-    from rlmega.trainer.cluster import start_workers
-
+    trainer = build_trainer(config)
     try:
-        trainer.training, trainer.rollout, _ = start_workers(config)
-        ray.kill(trainer.rollout.actors[0])
+        ray.kill(trainer.engines.actors[0])
         started = time.monotonic()
         with pytest.raises(WorkerFailure, match="rollout engine 0"):
             trainer.train_step(1)
@@ -182,3 +184,19 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path, assets):
     assert saved, output[-3000:]
     tracker = run_dir / "checkpoints" / "actor" / "latest_checkpointed_iteration.txt"
     assert tracker.read_text() == saved.group(1) and int(saved.group(1)) < 50
+
+
+def test_perturbed_engine_raises_the_mismatch_and_masked_is_masks_tokens(tmp_path, assets):
+    one_rank = ["trainer.total_steps=2", "layout.tp=1", "layout.world_size=1",
+                "algorithm.rollout_correction.rollout_rs=token", "algorithm.rollout_correction.rollout_rs_threshold=1.2"]
+    exact = _train(tmp_path / "exact", assets, *one_rank)
+    assert exact.returncode == 0, exact.stderr[-3000:]
+    # The engine serves the trained weights plus noise: the post-sync check would stop such a run.
+    noisy = _train(tmp_path / "noisy", assets, *one_rank, "+rollout.engine_kwargs.weight_noise_std=0.05",
+                   "sync.post_sync_check=false", "algorithm.rollout_correction.rollout_is=token")
+    assert noisy.returncode == 0, noisy.stderr[-3000:]
+    for clean, perturbed in zip(_rows(tmp_path / "exact"), _rows(tmp_path / "noisy")):
+        assert clean["mismatch/abs_log_prob_diff_max"] < 1e-4 and clean["mismatch/masked_token_fraction"] == 0.0
+        assert perturbed["mismatch/abs_log_prob_diff_mean"] > 100 * max(clean["mismatch/abs_log_prob_diff_mean"], 1e-6)
+        assert 0.0 < perturbed["mismatch/masked_token_fraction"] < 1.0
+        assert perturbed["rollout_corr/rollout_is_mean"] != 1.0

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlmega.testing.multirank import run_on_ranks
+from rlmega.parallel.spawn import run_on_ranks
 from rlmega.workers.logprobs import vocab_parallel_logprobs
 
 VOCAB, PADDED, TOKENS = 50, 64, 37

@@ -5,7 +5,7 @@ import torch
 
 from rlmega.models import model_spec_from_hf
 from rlmega.parallel.layout import ParallelLayout, destroy, initialize
-from rlmega.testing.multirank import run_on_ranks
+from rlmega.parallel.spawn import run_on_ranks
 from rlmega.workers.batching import SequenceBatch
 from rlmega.workers.config import BatchingConfig, WorkerConfig
 from rlmega.workers.forward import sequence_logprobs

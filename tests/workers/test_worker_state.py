@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from hf_models import save_tiny_model
 from rlmega.models import model_spec_from_hf
 from rlmega.parallel.layout import ParallelLayout, destroy, initialize
-from rlmega.testing.multirank import RankFailure, run_on_ranks
+from rlmega.parallel.spawn import RankFailure, run_on_ranks
 from rlmega.workers.checkpoint import TRACKER, CheckpointNotFoundError, latest_checkpoint
 from rlmega.workers.config import BatchingConfig, CriticLossConfig, OptimizerConfig, WorkerConfig
 from rlmega.workers.offload import model_tensors, optimizer_tensors

@@ -80,16 +80,18 @@ def check_no_implicit_eos(make_engine, llama_dir: Path, tmp_path: Path) -> None:
     assert len(engine.generate(PROMPTS[:1], with_stop)[0].response_token_ids) == k + 1
 
 
-def check_samples(engine, llama_dir: Path, *, seeded_repeat: bool = True) -> None:
-    """n samples per prompt, prompt-major; log-probs are the raw logits' whatever the temperature and
-    filters; a fixed seed repeats; the n samples of a prompt differ."""
-    params = SamplingParams(temperature=1.5, top_k=30, top_p=0.95, max_new_tokens=MAX_NEW, n=3, seed=7)
+def check_samples(engine, llama_dir: Path, *, seeded_repeat: bool = True, filters: bool = True) -> None:
+    """n samples per prompt, prompt-major; log-probs are those of the temperature-scaled logits
+    (before top-k / top-p, which ``filters=False`` leaves out for an engine whose log-probs include
+    them); a fixed seed repeats; the n samples of a prompt differ."""
+    params = SamplingParams(temperature=1.5, top_k=30 if filters else None, top_p=0.95 if filters else 1.0,
+                            max_new_tokens=MAX_NEW, n=3, seed=7)
     first = engine.generate(PROMPTS, params)
     assert [g.prompt_index for g in first] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
     reference = load_reference(llama_dir)
     for g in first:
         assert g.finish_reason == "length" and len(g.response_token_ids) == MAX_NEW
-        expected = teacher_forced_logprobs(reference, PROMPTS[g.prompt_index], g.response_token_ids)
+        expected = teacher_forced_logprobs(reference, PROMPTS[g.prompt_index], g.response_token_ids, temperature=1.5)
         torch.testing.assert_close(torch.tensor(g.logprobs), expected, atol=LOGPROB_ATOL, rtol=0)
     responses = [tuple(g.response_token_ids) for g in first]
     assert any(len(set(responses[3 * i:3 * i + 3])) > 1 for i in range(len(PROMPTS)))

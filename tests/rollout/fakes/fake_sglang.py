@@ -72,7 +72,7 @@ class Engine:
                 tokens, logprobs, reason = self.model.decode(
                     ids, max_tokens=params.get("max_new_tokens", 128), stop_ids=stop_ids, temperature=temperature,
                     top_k=top_k, top_p=params.get("top_p", 1.0), seed=seed,
-                    scaled_logprobs=not self._raw_logprobs)
+                    logprobs_of="raw" if self._raw_logprobs else "scaled")
                 finish = ({"type": "stop", "matched": tokens[-1]} if reason == "stop" else
                           {"type": "length", "length": params.get("max_new_tokens", 128)})
                 meta = {"id": str(rid), "finish_reason": finish, "prompt_tokens": len(ids),

@@ -138,7 +138,8 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         self.calls.append(("generate", [p["prompt_token_ids"] for p in prompts], list(sampling_params)))
-        scaled = self.engine_args.get("logprobs_mode", "raw_logprobs") == "processed_logprobs"
+        # vllm/v1/sample/sampler.py: processed log-probs come after temperature, top-k and top-p.
+        logprobs_of = "processed" if self.engine_args.get("logprobs_mode", "raw_logprobs") == "processed_logprobs" else "raw"
         results = []
         for request_id, (prompt, params) in enumerate(zip(prompts, sampling_params)):
             stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self._generation_eos)
@@ -148,7 +149,7 @@ class LLM:
                 tokens, logprobs, reason = self.model.decode(
                     prompt["prompt_token_ids"], max_tokens=params.max_tokens, stop_ids=stop_ids,
                     temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed,
-                    scaled_logprobs=scaled)
+                    logprobs_of=logprobs_of)
                 completions.append(CompletionOutput(
                     index=index, text="", token_ids=tokens, cumulative_logprob=sum(logprobs),
                     logprobs=[{t: Logprob(lp, rank=None)} for t, lp in zip(tokens, logprobs)],

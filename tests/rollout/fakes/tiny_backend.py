@@ -40,9 +40,11 @@ class TinyCausalLM:
 
     @torch.no_grad()
     def decode(self, prompt: list[int], *, max_tokens: int, stop_ids: set[int], temperature: float, top_k: int,
-               top_p: float, seed: int | None, scaled_logprobs: bool) -> tuple[list[int], list[float], str]:
-        """Sample one response. ``top_k <= 0`` disables top-k. ``scaled_logprobs``: log-probs of the
-        temperature-scaled distribution instead of the raw logits (SGLang's default when sampling)."""
+               top_p: float, seed: int | None, logprobs_of: str) -> tuple[list[int], list[float], str]:
+        """Sample one response. ``top_k <= 0`` disables top-k. ``logprobs_of``: which distribution the
+        log-probs are taken from: ``raw`` logits, ``scaled`` by the temperature (SGLang's default when
+        sampling), or ``processed``: scaled, then top-k / top-p masked and renormalised (vLLM's
+        ``processed_logprobs``)."""
         generator = torch.Generator()
         if seed is None:
             generator.seed()
@@ -52,6 +54,7 @@ class TinyCausalLM:
         logprobs: list[float] = []
         while True:
             logits = self.model(torch.tensor([prompt + tokens])).logits[0, -1].float()
+            source = logits
             if temperature == 0 or top_k == 1:
                 token = int(logits.argmax())
             else:
@@ -62,7 +65,11 @@ class TinyCausalLM:
                 sorted_probs, order = probs.sort(descending=True)
                 sorted_probs[(sorted_probs.cumsum(0) - sorted_probs) > top_p] = 0.0
                 token = int(order[torch.multinomial(sorted_probs, 1, generator=generator)])
-            source = logits / temperature if scaled_logprobs and temperature > 0 else logits
+                if logprobs_of == "scaled":
+                    source = logits / temperature
+                elif logprobs_of == "processed":
+                    kept = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+                    source = torch.where(kept > 0, scaled, torch.full_like(scaled, float("-inf")))
             tokens.append(token)
             logprobs.append(float(torch.log_softmax(source, dim=-1)[token]))
             if len(tokens) >= max_tokens:  # both engines test the length limit first

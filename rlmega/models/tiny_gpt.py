@@ -1,5 +1,5 @@
 """A tiny Megatron GPT (RMSNorm, SwiGLU, RoPE, GQA; optionally MoE) trained through Megatron's
-own schedules, DDP and optimizer. Used by tests, benchmarks and the quickstart to exercise the real
+own schedules, DDP and optimizer. Used by `rlmega smoke`, tests and benchmarks to exercise the real
 engine on CPU in any parallel layout.
 
 Weights, gradients and parameters cross layouts through Megatron's dist_checkpointing, which

@@ -1,0 +1,64 @@
+"""Starting a run's parts on Ray and handing them to the ``Trainer`` whole.
+
+    trainer = build_trainer(config)      # prompts, training ranks, role groups, engines, resume, metrics
+    exit_code = trainer.fit()
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rlmega.config.schema import RLConfig
+from rlmega.trainer.controller import Trainer, export_hf, supervised_warm_start
+from rlmega.trainer.prompts import PromptSource
+from rlmega.trainer.roles import role_groups
+
+
+def build_trainer(config: RLConfig) -> Trainer:
+    """Every part of the run described by ``config``, started and wired; nothing is left running if
+    one of them fails to start."""
+    from rlmega.trainer.cluster import start_workers
+
+    prompts = PromptSource(config)
+    try:
+        job, engines, placement = start_workers(config)
+    except BaseException:
+        prompts.close()
+        raise
+    try:
+        run_dir = Path(config.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "placement.json").write_text(json.dumps(placement, indent=1))
+        actor, reference, critic = role_groups(job, reference=config.needs_reference, critic=config.needs_critic)
+        return Trainer(config, prompts, job, actor, engines, reference=reference, critic=critic)
+    except BaseException:
+        engines.shutdown()
+        job.shutdown()
+        prompts.close()
+        raise
+
+
+def run(config: RLConfig) -> int:
+    """``rlmega train``: the whole run; the process exit code."""
+    return build_trainer(config).fit()
+
+
+def run_sft(config: RLConfig) -> int:
+    """``rlmega sft``: only the supervised warm-start (``trainer.sft_steps``), exported to ``run_dir/sft_hf``."""
+    from rlmega.trainer.cluster import start_workers
+    from rlmega.trainer.roles import ActorGroup
+
+    prompts = PromptSource(config)
+    job = None
+    try:
+        job, _, _ = start_workers(config, with_rollout=False)
+        supervised_warm_start(ActorGroup(job), prompts, config)
+        root = Path(config.run_dir) / "sft_checkpoints"
+        job.save(str(root), {**prompts.state_dict(), "step": 0})
+        export_hf(root / "actor", Path(config.run_dir) / "sft_hf", config.model.path)
+        return 0
+    finally:
+        if job is not None:
+            job.shutdown()
+        prompts.close()

@@ -1,0 +1,200 @@
+"""The prompt side of a run: dataset, sampler, tokenizer, scorer and sampling settings, shared by
+training rollouts, validation, the supervised warm-start and the post-sync probes.
+
+``PromptSource.rollouts`` turns one step's prompts into scored trajectories: n responses per prompt,
+with the token ids, the engine's per-token log-probs and the weight version that produced them;
+DAPO's dynamic sampling (drop groups whose scores are all equal, generate more), overlong shaping
+and filtering, and ReMax's greedy baseline happen here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Optional, Protocol, Sequence
+
+import torch
+
+from rlmega import algos
+from rlmega.config.schema import RLConfig
+from rlmega.rollout.protocol import Generation, SamplingParams
+from rlmega.trainer.metrics import batch_metrics
+from rlmega.workers.batching import SequenceBatch
+
+
+class Generator(Protocol):
+    """What the prompt side needs from the engines (``RolloutGroup`` or a fake)."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]: ...
+
+
+@dataclasses.dataclass
+class Rollouts:
+    """One step's trajectories, grouped by prompt (the n responses of a prompt are consecutive)."""
+
+    batch: SequenceBatch
+    """prompt + response token ids exactly as the engine saw and produced them, at the sampling temperature."""
+    scores: torch.Tensor
+    """``[B]`` scores after reward shaping."""
+    group_ids: list[int]
+    rollout_logp: list[torch.Tensor]
+    """``[R_i]`` the engine's log-prob of every response token, under the sampled distribution."""
+    weight_versions: list[int]
+    """The weight version each response was generated with."""
+    response_mask: Optional[list[torch.Tensor]]
+    """Per-token loss mask when overlong filtering zeroes some responses; None when all tokens count."""
+    baseline_scores: Optional[torch.Tensor]
+    """``[B]`` the score of the greedy response to the same prompt (ReMax), else None."""
+    metrics: dict[str, float]
+
+
+def _seed(base: int, step: int, round_index: int) -> int:
+    return (base * 1_000_003 + step * 7_919 + round_index * 104_729) % (2**31)
+
+
+class PromptSource:
+    """Owns the tokenizer, the training and validation datasets, the resumable sampler and the scorer."""
+
+    def __init__(self, config: RLConfig):
+        from transformers import AutoTokenizer
+
+        from rlmega.data import PromptDataset, StatefulSampler
+        from rlmega.rewards import RewardScorer
+
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
+        self.dataset = PromptDataset(config.data, self.tokenizer)
+        self.val_dataset = PromptDataset(config.val_data, self.tokenizer) if config.trainer.val_every else None
+        self.sampler = StatefulSampler(len(self.dataset), config.trainer.prompts_per_step, seed=config.trainer.seed)
+        self.scorer = RewardScorer(config.reward)
+        self.scorer.check_data_sources(self.dataset.data_sources)
+        self.stop_token_ids = (self.tokenizer.eos_token_id,)
+        self.needs_greedy_baseline = config.algorithm.adv_estimator == "remax"
+
+    # ---- sampling and scoring ---------------------------------------------------------------
+
+    def sampling_params(self, *, temperature: float, n: int, seed: Optional[int]) -> SamplingParams:
+        rollout = self.config.rollout
+        sampled = temperature > 0
+        return SamplingParams(temperature=temperature, top_p=rollout.top_p if sampled else 1.0,
+                              top_k=rollout.top_k if sampled else None, max_new_tokens=rollout.max_new_tokens,
+                              stop_token_ids=self.stop_token_ids, n=n, seed=seed)
+
+    def score(self, records: Sequence, generations: list[Generation]) -> tuple[torch.Tensor, dict[str, float]]:
+        """Scores ``[len(generations)]`` of responses to ``records[g.prompt_index]``, and the scorer's metrics."""
+        from rlmega.rewards import ScoreItem
+
+        texts = [self.tokenizer.decode(g.response_token_ids, skip_special_tokens=True) for g in generations]
+        items = [ScoreItem.from_record(records[g.prompt_index], text) for g, text in zip(generations, texts)]
+        scores, metrics = self.scorer.score_batch(items)
+        return torch.tensor(scores, dtype=torch.float32), metrics
+
+    def rollouts(self, engines: Generator, step: int) -> Rollouts:
+        """Generate and score responses until the step has ``prompts_per_step`` usable groups (DAPO's
+        dynamic sampling may take several rounds), or the round limit is reached."""
+        config, algorithm = self.config, self.config.algorithm
+        wanted = config.trainer.prompts_per_step
+        kept: list[tuple] = []  # (record, generations, scores, baseline score) per kept group
+        rounds = algorithm.max_generation_rounds if algorithm.dynamic_sampling else 1
+        all_scores, all_generations, reward_metrics, dropped = [], [], {}, 0
+        for round_index in range(rounds):
+            records = self.dataset.batch(self.sampler.next_batch())
+            prompts = [record.prompt_token_ids for record in records]
+            seed = _seed(config.trainer.seed, step, round_index)
+            generations = engines.generate(prompts, self.sampling_params(
+                temperature=config.rollout.temperature, n=config.rollout.n, seed=seed))
+            scores, reward_metrics = self.score(records, generations)
+            all_scores.append(scores.clone())
+            all_generations.extend(generations)
+            baselines = torch.zeros(len(records))
+            if self.needs_greedy_baseline:
+                greedy = engines.generate(prompts, self.sampling_params(temperature=0.0, n=1, seed=None))
+                baselines = self.score(records, greedy)[0]
+            if algorithm.overlong_buffer_length:
+                lengths = torch.tensor([len(g.response_token_ids) for g in generations])
+                scores = scores + algos.overlong_reward_penalty(
+                    lengths, max_response_length=config.rollout.max_new_tokens,
+                    overlong_buffer_length=algorithm.overlong_buffer_length,
+                    penalty_factor=algorithm.overlong_penalty_factor)
+            group_ids = [g.prompt_index for g in generations]
+            keep = range(len(records))
+            if algorithm.dynamic_sampling:
+                result = algos.dynamic_sampling_filter(torch.tensor(group_ids), scores)
+                keep = sorted({group_ids[i] for i in result.kept_indices.tolist()})
+                dropped += result.num_dropped_groups
+            for prompt_index in keep:
+                members = [i for i, g in enumerate(group_ids) if g == prompt_index]
+                kept.append((records[prompt_index], [generations[i] for i in members], scores[members],
+                             float(baselines[prompt_index])))
+            if len(kept) >= wanted:
+                break
+        kept = kept[:wanted]
+        if not kept:
+            raise RuntimeError(
+                f"step {step}: every prompt group had equal scores in {rounds} generation rounds, nothing to train on; "
+                "raise algorithm.max_generation_rounds or rollout.n, or turn off algorithm.dynamic_sampling"
+            )
+        metrics = batch_metrics(torch.cat(all_scores), [len(g.response_token_ids) for g in all_generations],
+                                truncated=[g.finish_reason == "length" for g in all_generations])
+        metrics.update({"batch/generation_rounds": float(round_index + 1), "batch/dropped_groups": float(dropped)})
+        metrics.update({name if "/" in name else f"reward/{name}": value for name, value in reward_metrics.items()})
+        return self._assemble(kept, metrics)
+
+    def _assemble(self, kept: list[tuple], metrics: dict[str, float]) -> Rollouts:
+        algorithm = self.config.algorithm
+        tokens, prompts, scores, group_ids, masks, logps, versions, baselines = [], [], [], [], [], [], [], []
+        for group, (record, generations, group_scores, baseline) in enumerate(kept):
+            for generation, score in zip(generations, group_scores):
+                tokens.append(torch.tensor(record.prompt_token_ids + generation.response_token_ids))
+                prompts.append(len(record.prompt_token_ids))
+                scores.append(float(score))
+                group_ids.append(group)
+                logps.append(torch.tensor(generation.logprobs, dtype=torch.float32))
+                versions.append(generation.weight_version)
+                baselines.append(baseline)
+                truncated = algorithm.filter_truncated and generation.finish_reason == "length"
+                masks.append(torch.full((len(generation.response_token_ids),), 0.0 if truncated else 1.0))
+        metrics["batch/num_sequences"] = float(len(tokens))
+        return Rollouts(
+            batch=SequenceBatch(tokens, prompts, temperature=self.config.rollout.temperature),
+            scores=torch.tensor(scores), group_ids=group_ids, rollout_logp=logps, weight_versions=versions,
+            response_mask=masks if algorithm.filter_truncated else None,
+            baseline_scores=torch.tensor(baselines) if self.needs_greedy_baseline else None, metrics=metrics,
+        )
+
+    # ---- validation, warm-start, probes -------------------------------------------------------
+
+    def validate(self, engines: Generator) -> dict[str, float]:
+        """Answers to the first ``trainer.val_prompts`` validation prompts at ``rollout.val_temperature``, scored."""
+        count = min(self.config.trainer.val_prompts, len(self.val_dataset))
+        records = self.val_dataset.batch(list(range(count)))
+        params = self.sampling_params(temperature=self.config.rollout.val_temperature, n=1, seed=self.config.trainer.seed)
+        scores, _ = self.score(records, engines.generate([r.prompt_token_ids for r in records], params))
+        return {"val/score/mean": float(scores.mean()), "val/accuracy": float((scores >= 1.0).float().mean())}
+
+    def warm_start_batches(self) -> Iterator[SequenceBatch]:
+        """``trainer.sft_steps`` batches of training prompts with their ground-truth answers (a tiny
+        model's start), as many sequences each as an RL step trains on."""
+        from rlmega.data import StatefulSampler
+
+        per_step = min(self.config.trainer.prompts_per_step * self.config.rollout.n, len(self.dataset))
+        sampler = StatefulSampler(len(self.dataset), per_step, seed=self.config.trainer.seed + 1)
+        for _ in range(self.config.trainer.sft_steps):
+            tokens, prompts = [], []
+            for record in self.dataset.batch(sampler.next_batch()):
+                answer = self.tokenizer.encode(str(record.ground_truth), add_special_tokens=False)
+                tokens.append(torch.tensor(record.prompt_token_ids + answer + list(self.stop_token_ids)))
+                prompts.append(len(record.prompt_token_ids))
+            yield SequenceBatch(tokens, prompts)
+
+    def probes(self) -> list[list[int]]:
+        """Prompts the post-sync check generates from."""
+        return [record.prompt_token_ids for record in self.dataset.batch([0, 1])]
+
+    def state_dict(self) -> dict:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+
+    def close(self) -> None:
+        self.scorer.close()

@@ -1,0 +1,118 @@
+"""The controller's typed view of the workers: one group per role, each with real methods.
+
+``ActorGroup``, ``ReferenceGroup`` and ``CriticGroup`` call the training ranks' methods of the
+same names (``RankProcess``), which call the rank's ``MegatronWorker``: a value can be followed
+from the loop into the worker. The Protocols say what the controller needs of each, so a loop
+test can drive the ``Trainer`` with fakes, without Ray or processes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+import torch
+
+from rlmega.config.schema import SyncConfig
+from rlmega.rollout.protocol import Generation, SamplingParams
+from rlmega.sync import SyncStats
+from rlmega.trainer.training_group import TrainingRanks
+from rlmega.workers.batching import SequenceBatch
+
+LogProbs = tuple[list[torch.Tensor], list[torch.Tensor]]  # per sequence: log-probs [R_i], entropies [R_i]
+
+
+class Engines(Protocol):
+    """The rollout engines (``rlmega.trainer.rollout_group.RolloutGroup``)."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]: ...
+    def versions(self) -> list[int]: ...
+    def sleep(self, level: int = 1) -> None: ...
+    def wake(self) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+class TrainingJob(Protocol):
+    """What concerns every role on the training ranks at once (``TrainingRanks``)."""
+
+    def set_offloaded(self, offloaded: bool) -> None: ...
+    def save(self, root: str, extra: dict) -> dict: ...
+    def load(self, root: str, step: int) -> dict: ...
+    def shutdown(self) -> None: ...
+
+
+class Actor(Protocol):
+    def compute_logprobs(self, batch: SequenceBatch) -> LogProbs: ...
+    def update(self, batch: SequenceBatch) -> dict[str, float]: ...
+    def sft_step(self, batch: SequenceBatch, lr: float) -> dict[str, float]: ...
+    def push_weights(self, engines: Engines, version: int, sync: SyncConfig) -> SyncStats: ...
+    def post_sync_check(self, engines: Engines, probes: list[list[int]], version: int) -> float: ...
+
+
+class Reference(Protocol):
+    def compute_logprobs(self, batch: SequenceBatch) -> LogProbs: ...
+    def copy_from_actor(self) -> None: ...
+
+
+class Critic(Protocol):
+    def compute_values(self, batch: SequenceBatch) -> list[torch.Tensor]: ...
+    def update(self, batch: SequenceBatch) -> dict[str, float]: ...
+
+
+def _handles(engines: Engines) -> list:
+    """The engine handles the ranks stream weights into (a ``RolloutGroup``'s, or the engines themselves)."""
+    return list(getattr(engines, "engines", [engines]))
+
+
+class ActorGroup:
+    """The policy on the training ranks."""
+
+    def __init__(self, ranks: TrainingRanks):
+        self._ranks = ranks
+
+    def compute_logprobs(self, batch: SequenceBatch) -> LogProbs:
+        return self._ranks.first(lambda rank: rank.compute_logprobs.remote("actor", batch), "actor log-probs")
+
+    def update(self, batch: SequenceBatch) -> dict[str, float]:
+        return self._ranks.first(lambda rank: rank.update.remote("actor", batch), "actor update")
+
+    def sft_step(self, batch: SequenceBatch, lr: float) -> dict[str, float]:
+        return self._ranks.first(lambda rank: rank.sft_step.remote(batch, lr), "supervised step")
+
+    def push_weights(self, engines: Engines, version: int, sync: SyncConfig) -> SyncStats:
+        handles = _handles(engines)
+        return self._ranks.first(lambda rank: rank.push_weights.remote(handles, version, sync), "weight sync")
+
+    def post_sync_check(self, engines: Engines, probes: list[list[int]], version: int) -> float:
+        handles = _handles(engines)
+        return self._ranks.first(lambda rank: rank.post_sync_check.remote(handles, probes, version), "post-sync check")
+
+
+class ReferenceGroup:
+    """The frozen reference policy (for KL terms) on the training ranks."""
+
+    def __init__(self, ranks: TrainingRanks):
+        self._ranks = ranks
+
+    def compute_logprobs(self, batch: SequenceBatch) -> LogProbs:
+        return self._ranks.first(lambda rank: rank.compute_logprobs.remote("ref", batch), "reference log-probs")
+
+    def copy_from_actor(self) -> None:
+        self._ranks.each(lambda rank: rank.reference_from_actor.remote(), "reference from actor")
+
+
+class CriticGroup:
+    """The value model (PPO with GAE) on the training ranks."""
+
+    def __init__(self, ranks: TrainingRanks):
+        self._ranks = ranks
+
+    def compute_values(self, batch: SequenceBatch) -> list[torch.Tensor]:
+        return self._ranks.first(lambda rank: rank.compute_values.remote(batch), "critic values")
+
+    def update(self, batch: SequenceBatch) -> dict[str, float]:
+        return self._ranks.first(lambda rank: rank.update.remote("critic", batch), "critic update")
+
+
+def role_groups(ranks: TrainingRanks, *, reference: bool, critic: bool) -> tuple[ActorGroup, Optional[ReferenceGroup],
+                                                                                  Optional[CriticGroup]]:
+    return ActorGroup(ranks), ReferenceGroup(ranks) if reference else None, CriticGroup(ranks) if critic else None

@@ -1,0 +1,132 @@
+"""Fake parts for driving the ``Trainer`` without Ray or processes: engines that answer from a
+script, and role groups that record what they were called with and answer with known tensors."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+
+from rlmega.rollout.protocol import Generation, SamplingParams
+from rlmega.sync import SyncStats
+
+ROLLOUT_LOGP = -0.5
+"""Every response token's log-prob as the fake engine reports it."""
+REF_SHIFT = -0.25
+"""The fake reference's log-probs are the engine's plus this."""
+
+
+class FakeEngines:
+    """Answers an ``a+b=`` prompt right in even samples and off by one in odd ones (then the stop
+    token); greedy answers are always right."""
+
+    def __init__(self, tokenizer, stop_token_id: int):
+        self.tokenizer, self.stop_token_id = tokenizer, stop_token_id
+        self.version, self.asleep = 0, False
+        self.calls: list[SamplingParams] = []
+        self.shut_down = False
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        assert not self.asleep, "generate while asleep"
+        self.calls.append(params)
+        generations = []
+        for i, prompt in enumerate(prompts):
+            a, b = re.findall(r"(\d+)\+(\d+)=", self.tokenizer.decode(prompt))[-1]
+            for j in range(params.n):
+                answer = int(a) + int(b) + (0 if params.temperature == 0 else j % 2)
+                tokens = self.tokenizer.encode(str(answer), add_special_tokens=False) + [self.stop_token_id]
+                generations.append(Generation(prompt_index=i, response_token_ids=tokens,
+                                              logprobs=[ROLLOUT_LOGP] * len(tokens), finish_reason="stop",
+                                              weight_version=self.version))
+        return generations
+
+    def versions(self) -> list[int]:
+        return [self.version]
+
+    def sleep(self, level: int = 1) -> None:
+        self.asleep = True
+
+    def wake(self) -> None:
+        self.asleep = False
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+@dataclasses.dataclass
+class FakeJob:
+    offloads: list = dataclasses.field(default_factory=list)
+    saved: list = dataclasses.field(default_factory=list)
+    shut_down: bool = False
+
+    def set_offloaded(self, offloaded: bool) -> None:
+        self.offloads.append(offloaded)
+
+    def save(self, root: str, extra: dict) -> dict:
+        self.saved.append((root, extra))
+        return {}
+
+    def load(self, root: str, step: int) -> dict:
+        raise AssertionError("nothing to resume from in these tests")
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+class FakeActor:
+    """Old log-probs ``ROLLOUT_LOGP + shift`` for every token; ``update`` keeps the batches it got."""
+
+    def __init__(self, shift: float = 0.0):
+        self.shift = shift
+        self.logprob_batches, self.updates, self.sft_batches, self.pushed = [], [], [], []
+
+    def compute_logprobs(self, batch):
+        self.logprob_batches.append(batch)
+        logp = [torch.full((n,), ROLLOUT_LOGP + self.shift) for n in batch.response_lengths]
+        return logp, [torch.ones(n) for n in batch.response_lengths]
+
+    def update(self, batch) -> dict[str, float]:
+        self.updates.append(batch)
+        return {"actor/pg_loss": 0.0}
+
+    def sft_step(self, batch, lr: float) -> dict[str, float]:
+        self.sft_batches.append((batch, lr))
+        return {"sft_loss": 1.0}
+
+    def push_weights(self, engines, version: int, sync) -> SyncStats:
+        assert not engines.asleep, "weights pushed into a sleeping engine"
+        self.pushed.append((version, sync))
+        engines.version = version
+        return SyncStats(version=version, tensors=1, bytes=8, seconds=1.0)
+
+    def post_sync_check(self, engines, probes, version: int) -> float:
+        assert engines.version == version and probes
+        return 0.0
+
+
+class FakeReference:
+    def __init__(self):
+        self.batches, self.copied = [], 0
+
+    def compute_logprobs(self, batch):
+        self.batches.append(batch)
+        return [torch.full((n,), ROLLOUT_LOGP + REF_SHIFT) for n in batch.response_lengths], None
+
+    def copy_from_actor(self) -> None:
+        self.copied += 1
+
+
+class FakeCritic:
+    """Values 0.5 at every token; ``update`` keeps its batches."""
+
+    def __init__(self):
+        self.value_batches, self.updates = [], []
+
+    def compute_values(self, batch):
+        self.value_batches.append(batch)
+        return [torch.full((n,), 0.5) for n in batch.response_lengths]
+
+    def update(self, batch) -> dict[str, float]:
+        self.updates.append(batch)
+        return {"critic/vf_loss": 0.0}
