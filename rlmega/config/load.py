@@ -102,6 +102,26 @@ def validate(config: RLConfig) -> None:
     _require(config.sync.bucket_bytes > 0 and config.sync.timeout_s > 0, "sync.bucket_bytes / sync.timeout_s",
              "must be > 0")
     _require(config.rollout.num_engines >= 1, "rollout.num_engines", "must be >= 1")
+    rollout = config.rollout
+    for field in ("tensor_parallel_size", "data_parallel_size", "expert_parallel_size"):
+        _require(getattr(rollout, field) >= 1, f"rollout.{field}", "must be >= 1")
+        _require(rollout.backend != "hf" or getattr(rollout, field) == 1, f"rollout.{field}",
+                 "the hf engine runs on one device; engine parallelism needs rollout.backend=vllm or sglang")
+    _require(0 < rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]")
+    engine_gpus = rollout.tensor_parallel_size * rollout.data_parallel_size
+    _require(rollout.backend == "hf" or rollout.gpus_per_engine in (0, engine_gpus), "rollout.gpus_per_engine",
+             f"an engine with tensor_parallel_size x data_parallel_size = {engine_gpus} needs that many GPUs, "
+             f"got {rollout.gpus_per_engine}")
+    try:
+        rollout.engine_arguments()
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+    trainer = config.trainer
+    _require(trainer.total_epochs is None or trainer.total_epochs >= 1, "trainer.total_epochs", "must be >= 1 or null")
+    _require(trainer.max_checkpoints_to_keep is None or trainer.max_checkpoints_to_keep >= 1,
+             "trainer.max_checkpoints_to_keep", "must be >= 1 or null (keep all)")
+    _require(trainer.log_val_generations >= 0 and trainer.critic_warmup >= 0,
+             "trainer.log_val_generations / trainer.critic_warmup", "must be >= 0")
     _require(config.rollout.n >= 1, "rollout.n", "must be >= 1")
     _require(not config.algorithm.dynamic_sampling or config.rollout.n > 1, "algorithm.dynamic_sampling",
              "needs rollout.n > 1 (a group of one always has equal scores)")

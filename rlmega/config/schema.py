@@ -38,7 +38,21 @@ class RolloutConfig:
     backend: str = choice("hf", "vllm", "sglang")
     """hf (transformers, CPU or GPU); vllm and sglang on GPU."""
     engine_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Extra constructor arguments of the engine (e.g. vLLM's gpu_memory_utilization)."""
+    """Other constructor arguments of the engine, passed as they are (e.g. vLLM's ``enforce_eager``);
+    the settings below have fields of their own and may not be set here."""
+    gpu_memory_utilization: float = 0.5
+    """Share of each engine GPU's memory the engine may take for weights and KV cache (vLLM's
+    ``gpu_memory_utilization``, SGLang's ``mem_fraction_static``); unused by the hf engine."""
+    tensor_parallel_size: int = 1
+    """GPUs one engine splits each layer over (vLLM ``tensor_parallel_size``, SGLang ``tp_size``)."""
+    data_parallel_size: int = 1
+    """Replicas inside one engine (vLLM ``data_parallel_size``, SGLang ``dp_size``)."""
+    expert_parallel_size: int = 1
+    """MoE experts split over this many of the engine's GPUs (SGLang ``ep_size``; vLLM's expert
+    parallelism spans tensor x data parallel ranks, so > 1 turns on its ``enable_expert_parallel``)."""
+    max_num_batched_tokens: Optional[int] = None
+    """Tokens per engine scheduling step (vLLM ``max_num_batched_tokens``, SGLang ``max_prefill_tokens``);
+    None: the engine's default."""
     num_engines: int = 1
     placement: str = choice("colocated", "disaggregated")
     """colocated: engines share the training ranks' resources and sleep while training runs (training
@@ -55,6 +69,31 @@ class RolloutConfig:
     max_new_tokens: int = 256
     val_temperature: float = 0.0
     """0: greedy validation."""
+
+    def engine_arguments(self) -> dict:
+        """The backend's constructor arguments: the engine-level fields above under the backend's own
+        names (``ENGINE_ARGUMENTS``), then ``engine_kwargs``, which may not repeat them."""
+        if self.backend == "hf":
+            return dict(self.engine_kwargs)
+        names = ENGINE_ARGUMENTS[self.backend]
+        arguments = {name: getattr(self, field) for field, name in names.items() if getattr(self, field) is not None}
+        if self.backend == "vllm" and self.expert_parallel_size > 1:
+            arguments["enable_expert_parallel"] = True  # vLLM's experts then split over its tp x dp ranks
+        for key in self.engine_kwargs:
+            field = next((f for f, name in names.items() if name == key), None)
+            if field is not None or key == "enable_expert_parallel":
+                raise ValueError(f"rollout.engine_kwargs.{key}: set rollout.{field or 'expert_parallel_size'} instead")
+        return {**arguments, **self.engine_kwargs}
+
+
+# RolloutConfig's engine-level fields under each backend's argument names.
+ENGINE_ARGUMENTS = {
+    "vllm": {"gpu_memory_utilization": "gpu_memory_utilization", "tensor_parallel_size": "tensor_parallel_size",
+             "data_parallel_size": "data_parallel_size", "max_num_batched_tokens": "max_num_batched_tokens"},
+    "sglang": {"gpu_memory_utilization": "mem_fraction_static", "tensor_parallel_size": "tp_size",
+               "data_parallel_size": "dp_size", "expert_parallel_size": "ep_size",
+               "max_num_batched_tokens": "max_prefill_tokens"},
+}
 
 
 @dataclasses.dataclass
@@ -103,14 +142,28 @@ class AlgorithmConfig:
 @dataclasses.dataclass
 class TrainerConfig:
     total_steps: int = 100
+    """RL steps of the run (unless ``total_epochs`` is set)."""
+    total_epochs: Optional[int] = None
+    """Passes over the training prompts; when set, it decides the number of steps
+    (``total_epochs * floor(prompts / prompts_per_step)``) and ``total_steps`` is not used."""
     prompts_per_step: int = 32
     """Prompts per step (responses per step = prompts_per_step * rollout.n)."""
     save_every: int = 0
     """Checkpoint every N steps (and at the end); 0: only at the end."""
+    max_checkpoints_to_keep: Optional[int] = None
+    """Keep only the newest k complete checkpoints of each role (older ones are deleted after a new
+    one is complete; the newest is never deleted); None: keep all."""
     val_every: int = 0
-    """Validate every N steps (and before the first and after the last); 0: never."""
+    """Validate every N steps (and after the last); 0: never."""
+    val_before_train: bool = True
+    """With ``val_every``, also validate before the first step (not after a resume)."""
     val_prompts: int = 64
     """Validation prompts (the first ones of the validation files)."""
+    log_val_generations: int = 0
+    """Show this many validation prompts with their responses and scores at every validation: on the
+    console, in ``run_dir/generations.jsonl``, and as a text table in TensorBoard / W&B / MLflow."""
+    critic_warmup: int = 0
+    """PPO: the first N steps train only the critic (the actor is not updated)."""
     seed: int = 1
     sft_steps: int = 0
     """Supervised warm-start steps on the training data's ground truths before RL (tiny models)."""

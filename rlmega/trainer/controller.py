@@ -40,26 +40,28 @@ class Trainer:
         self.run_dir = Path(config.run_dir)
         self.preempted = False
         self.start_step = self._resume()
-        self.tracker = MetricsTracker(self.run_dir, config=config.metrics, total_steps=config.trainer.total_steps,
+        self.total_steps = prompts.total_steps
+        self.tracker = MetricsTracker(self.run_dir, config=config.metrics, total_steps=self.total_steps,
                                       run_config=_plain(config), resume_step=self.start_step)
 
     # ---- the loop -------------------------------------------------------------------------
 
     def fit(self) -> int:
-        """Run to ``trainer.total_steps`` (or to SIGTERM); the process exit code."""
+        """Run to the last step (``trainer.total_steps``, or ``trainer.total_epochs`` over the prompts) or
+        to SIGTERM; the process exit code."""
         trainer = self.config.trainer
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             if self.start_step == 0 and trainer.sft_steps:
                 self.warm_start()
             self.sync(version=self.start_step)
-            if trainer.val_every and self.start_step == 0:
-                self.tracker.log_validation(0, self.validate())
-            for step in range(self.start_step + 1, trainer.total_steps + 1):
+            if trainer.val_every and trainer.val_before_train and self.start_step == 0:
+                self.validate(0)
+            for step in range(self.start_step + 1, self.total_steps + 1):
                 self.tracker.log(step, self.train_step(step))
-                last = step == trainer.total_steps
+                last = step == self.total_steps
                 if trainer.val_every and (step % trainer.val_every == 0 or last):
-                    self.tracker.log_validation(step, self.validate())
+                    self.validate(step)
                 if last or self.preempted or (trainer.save_every and step % trainer.save_every == 0):
                     self.save(step)
                 if self.preempted:
@@ -105,8 +107,9 @@ class Trainer:
                 metrics.update(self.critic.update(batch.with_fields(values=values, returns=returns, **mask)))
         if config.actor.policy_loss.kl_loss_coef > 0:
             fields["ref_logp"] = ref_logp
-        with self._timed(metrics, "update_actor"):
-            metrics.update(self.actor.update(batch.with_fields(old_logp=old_logp, advantages=advantages, **fields)))
+        if step > config.trainer.critic_warmup:  # PPO's critic warm-up: the actor waits for a trained critic
+            with self._timed(metrics, "update_actor"):
+                metrics.update(self.actor.update(batch.with_fields(old_logp=old_logp, advantages=advantages, **fields)))
         with self._timed(metrics, "sync"):
             metrics.update(self.sync(version=step))
         metrics.update(rollouts.metrics)
@@ -160,9 +163,12 @@ class Trainer:
             raise RuntimeError(f"after syncing version {version} the engines serve versions {versions}")
         return metrics
 
-    def validate(self) -> dict[str, float]:
+    def validate(self, step: int) -> None:
         with self._rollout_phase():
-            return self.prompts.validate(self.engines)
+            metrics, samples = self.prompts.validate(self.engines)
+        self.tracker.log_validation(step, metrics)
+        if samples:
+            self.tracker.log_generations(step, samples)
 
     def warm_start(self) -> None:
         supervised_warm_start(self.actor, self.prompts, self.config)
@@ -184,8 +190,9 @@ class Trainer:
         print(f"resumed from {found} (step {extra['step']})", flush=True)
         return int(extra["step"])
 
-    def save(self, step: int, root: Optional[Path] = None) -> None:
-        self.job.save(str(root or self.run_dir / "checkpoints"), {**self.prompts.state_dict(), "step": step})
+    def save(self, step: int) -> None:
+        self.job.save(str(self.run_dir / "checkpoints"), {**self.prompts.state_dict(), "step": step},
+                      keep=self.config.trainer.max_checkpoints_to_keep)
 
     def _on_sigterm(self, signum, frame) -> None:
         print("SIGTERM: finishing the current step, then saving a checkpoint", flush=True)

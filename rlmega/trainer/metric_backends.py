@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from rlmega.config.schema import MetricsConfig
 
 JSONL_NAME = "metrics.jsonl"
+GENERATIONS_NAME = "generations.jsonl"
+GENERATION_COLUMNS = ("prompt", "response", "ground_truth", "score")
+"""The fields of each logged validation sample (``trainer.log_val_generations``)."""
 PLOT_NAME = "reward_curve.png"
 TENSORBOARD_DIR = "tensorboard"
 SCORE_KEY = "critic/score/mean"
@@ -35,6 +38,9 @@ OPTIONAL_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("w
 
 class MetricsBackend(Protocol):
     def log(self, step: int, metrics: dict[str, float], validation: bool) -> None: ...
+
+    def log_generations(self, step: int, samples: list[dict]) -> None:
+        """Validation samples after step ``step``: dicts with the ``GENERATION_COLUMNS``."""
 
     def close(self) -> None: ...
 
@@ -151,7 +157,8 @@ class ConsoleBackend:
 
     _BAR_WIDTH = 20
 
-    def __init__(self, total_steps: Optional[int], every: int, start_step: int):
+    def __init__(self, total_steps: Optional[int], every: int, start_step: int, run_name: Optional[str] = None):
+        self._run_name = run_name
         self._total = total_steps
         self._every = every
         self._start_step = start_step
@@ -202,6 +209,9 @@ class ConsoleBackend:
             print(line, file=self._stream, flush=True)
 
     def log(self, step: int, metrics: dict[str, float], validation: bool) -> None:
+        if self._run_name:  # the project / experiment heads the run's lines
+            print(f"rlmega run {self._run_name}", file=self._stream, flush=True)
+            self._run_name = None
         if self._tty and self._progress is None:
             self._start_live()
         if validation:
@@ -215,10 +225,22 @@ class ConsoleBackend:
         head = self._step_label(step) if self._tty else self._plain_progress(step)
         self._print(f"{head} {format_step_metrics(metrics)}")
 
+    def log_generations(self, step: int, samples: list[dict]) -> None:
+        for index, sample in enumerate(samples, 1):
+            self._print(f"[val @ step {step}] sample {index}: {_clip(sample['prompt'])!r} -> "
+                        f"{_clip(sample['response'])!r} (expected {_clip(sample['ground_truth'])!r}, "
+                        f"score {_format_number(sample['score'])})")
+
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    """One console line's worth of ``text``: the end of a long prompt, which is where the question is."""
+    text = str(text)
+    return text if len(text) <= limit else "..." + text[-limit:]
 
 
 def _json_value(value: float) -> Optional[float]:
@@ -240,16 +262,21 @@ class JsonlBackend:
 
     def __init__(self, path: Path, resume_step: Optional[int]):
         self.path = path
-        self.kept_rows: list[dict] = []
-        if resume_step is not None and path.exists():
-            self.kept_rows = self._rows_up_to(path, resume_step)
+        self._resume_step = resume_step
+        self.kept_rows, self._file = self._open(path)
+        self._generations = None  # generations.jsonl beside it, opened by the first samples
+
+    def _open(self, path: Path):
+        """(rows kept, the file open for appending) under the resume rule above."""
+        kept: list[dict] = []
+        if self._resume_step is not None and path.exists():
+            kept = self._rows_up_to(path, self._resume_step)
             tmp = path.with_name(path.name + ".tmp")
             with open(tmp, "w", encoding="utf-8") as f:
-                f.writelines(json.dumps(row, allow_nan=False) + "\n" for row in self.kept_rows)
+                f.writelines(json.dumps(row, allow_nan=False) + "\n" for row in kept)
             os.replace(tmp, path)
-            self._file = open(path, "a", encoding="utf-8")
-        else:
-            self._file = open(path, "w", encoding="utf-8")
+            return kept, open(path, "a", encoding="utf-8")
+        return kept, open(path, "w", encoding="utf-8")
 
     @staticmethod
     def _rows_up_to(path: Path, resume_step: int) -> list[dict]:
@@ -272,18 +299,32 @@ class JsonlBackend:
         self._file.write(json.dumps(row, allow_nan=False) + "\n")
         self._file.flush()
 
+    def log_generations(self, step: int, samples: list[dict]) -> None:
+        """One row per sample in ``generations.jsonl`` (same resume rule as the metrics)."""
+        if self._generations is None:
+            self._generations = self._open(self.path.with_name(GENERATIONS_NAME))[1]
+        for sample in samples:
+            row = {"step": step, **{key: sample[key] for key in GENERATION_COLUMNS}}
+            self._generations.write(json.dumps(row, allow_nan=False, default=str) + "\n")
+        self._generations.flush()
+
     def close(self) -> None:
         self._file.close()
+        if self._generations is not None:
+            self._generations.close()
 
 
 class TensorBoardBackend:
     """Scalars under ``run_dir/tensorboard``; on resume, events after the resume step are purged."""
 
-    def __init__(self, log_dir: Path, resume_step: Optional[int], run_config: Optional[Mapping]):
+    def __init__(self, log_dir: Path, resume_step: Optional[int], run_config: Optional[Mapping],
+                 run_name: Optional[str] = None):
         from torch.utils.tensorboard import SummaryWriter
 
         purge_step = resume_step + 1 if resume_step is not None else None
         self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+        if resume_step is None and run_name:
+            self._writer.add_text("run", run_name, global_step=0)
         if run_config and resume_step is None:
             text = json.dumps(run_config, indent=2, default=str)
             self._writer.add_text("config", "```\n" + text + "\n```", global_step=0)
@@ -293,8 +334,19 @@ class TensorBoardBackend:
             self._writer.add_scalar(key, value, global_step=step)
         self._writer.flush()
 
+    def log_generations(self, step: int, samples: list[dict]) -> None:
+        self._writer.add_text("val/generations", _markdown_table(samples), global_step=step)
+        self._writer.flush()
+
     def close(self) -> None:
         self._writer.close()
+
+
+def _markdown_table(samples: list[dict]) -> str:
+    escape = lambda value: str(value).replace("|", "\\|").replace("\n", "<br>")  # noqa: E731
+    lines = ["| " + " | ".join(GENERATION_COLUMNS) + " |", "|" + " --- |" * len(GENERATION_COLUMNS)]
+    lines += ["| " + " | ".join(escape(sample[key]) for key in GENERATION_COLUMNS) + " |" for sample in samples]
+    return "\n".join(lines)
 
 
 def _saved_run_id(path: Path) -> Optional[str]:
@@ -321,6 +373,13 @@ class WandbBackend:
 
     def log(self, step: int, metrics: dict[str, float], validation: bool) -> None:
         self._run.log(metrics, step=step)
+
+    def log_generations(self, step: int, samples: list[dict]) -> None:
+        import wandb
+
+        table = wandb.Table(columns=list(GENERATION_COLUMNS),
+                            data=[[sample[key] for key in GENERATION_COLUMNS] for sample in samples])
+        self._run.log({"val/generations": table}, step=step)
 
     def close(self) -> None:
         self._run.finish()
@@ -366,6 +425,10 @@ class MlflowBackend:
 
     def log(self, step: int, metrics: dict[str, float], validation: bool) -> None:
         self._mlflow.log_metrics({_MLFLOW_BAD_CHARS.sub("_", k): v for k, v in metrics.items()}, step=step)
+
+    def log_generations(self, step: int, samples: list[dict]) -> None:
+        columns = {key: [sample[key] for sample in samples] for key in GENERATION_COLUMNS}
+        self._mlflow.log_table(data=columns, artifact_file=f"val_generations/step_{step:07d}.json")
 
     def close(self) -> None:
         self._mlflow.end_run()

@@ -32,7 +32,7 @@ from rlmega.config.schema import MetricsConfig
 from rlmega.trainer import plots
 
 from rlmega.trainer.metric_backends import (
-    JSONL_NAME, PLOT_NAME, RESPONSE_LENGTH_KEY, SCORE_KEY, TENSORBOARD_DIR, TIMING_PREFIX, VAL_PREFIX,
+    GENERATION_COLUMNS, JSONL_NAME, PLOT_NAME, RESPONSE_LENGTH_KEY, SCORE_KEY, TENSORBOARD_DIR, TIMING_PREFIX, VAL_PREFIX,
     ConsoleBackend, JsonlBackend, MetricsBackend, MlflowBackend, TensorBoardBackend, WandbBackend,
     OPTIONAL_PACKAGES, as_number, require_package,
 )
@@ -90,14 +90,16 @@ class MetricsTracker:
 
     def _make_backend(self, name: str, resume_step: Optional[int], run_config) -> MetricsBackend:
         if name == "console":
-            return ConsoleBackend(self.total_steps, self.config.console_every, resume_step or 0)
+            return ConsoleBackend(self.total_steps, self.config.console_every, resume_step or 0,
+                                  run_name=f"{self.config.project}/{self.config.experiment_name}")
         if name == "jsonl":
             backend = JsonlBackend(self.run_dir / JSONL_NAME, resume_step)
             for row in backend.kept_rows:
                 self._remember(row["step"], {k: v for k, v in row.items() if k != "step" and v is not None})
             return backend
         if name == "tensorboard":
-            return TensorBoardBackend(self.run_dir / TENSORBOARD_DIR, resume_step, run_config)
+            return TensorBoardBackend(self.run_dir / TENSORBOARD_DIR, resume_step, run_config,
+                                      run_name=f"{self.config.project}/{self.config.experiment_name}")
         if name == "wandb":
             return WandbBackend(self.run_dir, self.config, run_config)
         return MlflowBackend(self.run_dir, self.config, run_config)
@@ -135,6 +137,18 @@ class MetricsTracker:
         for backend in self._backends:
             backend.log(step, row, validation=True)
         self.write_plot()
+
+    def log_generations(self, step: int, samples: list[Mapping[str, Any]]) -> None:
+        """Validation samples after step ``step`` (prompt, response, ground_truth, score each): shown on
+        the console, written to ``generations.jsonl``, a text table in TensorBoard / W&B / MLflow."""
+        self._check_open()
+        missing = [key for key in GENERATION_COLUMNS for sample in samples if key not in sample]
+        if missing:
+            raise ValueError(f"log_generations: every sample needs {', '.join(GENERATION_COLUMNS)}; missing {missing[0]}")
+        rows = [{key: (as_number(key, sample[key]) if key == "score" else str(sample[key])) for key in GENERATION_COLUMNS}
+                for sample in samples]
+        for backend in self._backends:
+            backend.log_generations(step, rows)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -69,6 +69,9 @@ class PromptSource:
         self.scorer.check_data_sources(self.dataset.data_sources)
         self.stop_token_ids = (self.tokenizer.eos_token_id,)
         self.needs_greedy_baseline = config.algorithm.adv_estimator == "remax"
+        epochs = config.trainer.total_epochs
+        self.total_steps = epochs * self.sampler.steps_per_epoch if epochs else config.trainer.total_steps
+        """The run's RL steps: ``trainer.total_epochs`` passes over the prompts, or ``trainer.total_steps``."""
 
     # ---- sampling and scoring ---------------------------------------------------------------
 
@@ -163,13 +166,23 @@ class PromptSource:
 
     # ---- validation, warm-start, probes -------------------------------------------------------
 
-    def validate(self, engines: Generator) -> dict[str, float]:
-        """Answers to the first ``trainer.val_prompts`` validation prompts at ``rollout.val_temperature``, scored."""
+    def validate(self, engines: Generator) -> tuple[dict[str, float], list[dict]]:
+        """Answers to the first ``trainer.val_prompts`` validation prompts at ``rollout.val_temperature``,
+        scored: the metrics, and the first ``trainer.log_val_generations`` samples (prompt, response,
+        ground truth, score) to show."""
         count = min(self.config.trainer.val_prompts, len(self.val_dataset))
         records = self.val_dataset.batch(list(range(count)))
         params = self.sampling_params(temperature=self.config.rollout.val_temperature, n=1, seed=self.config.trainer.seed)
-        scores, _ = self.score(records, engines.generate([r.prompt_token_ids for r in records], params))
-        return {"val/score/mean": float(scores.mean()), "val/accuracy": float((scores >= 1.0).float().mean())}
+        generations = engines.generate([r.prompt_token_ids for r in records], params)
+        scores, _ = self.score(records, generations)
+        samples = [
+            {"prompt": self.tokenizer.decode(records[g.prompt_index].prompt_token_ids, skip_special_tokens=True),
+             "response": self.tokenizer.decode(g.response_token_ids, skip_special_tokens=True),
+             "ground_truth": str(records[g.prompt_index].ground_truth), "score": float(score)}
+            for g, score in list(zip(generations, scores))[:self.config.trainer.log_val_generations]
+        ]
+        metrics = {"val/score/mean": float(scores.mean()), "val/accuracy": float((scores >= 1.0).float().mean())}
+        return metrics, samples
 
     def warm_start_batches(self) -> Iterator[SequenceBatch]:
         """``trainer.sft_steps`` batches of training prompts with their ground-truth answers (a tiny

@@ -2,7 +2,8 @@
 
 ``rollout.backend`` picks the engine class: ``hf`` (transformers; CPU, or GPU when
 ``rollout.gpus_per_engine > 0``), ``vllm`` or ``sglang`` (GPU; their adapters in ``rlmega.rollout``).
-``rollout.engine_kwargs`` go to the engine's constructor."""
+The engine-level rollout fields (memory share, engine parallel sizes, batched tokens) go to the
+engine's constructor under the backend's names (``RolloutConfig.engine_arguments``)."""
 
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ def _engine(config: RLConfig) -> tuple[type, dict]:
     import torch
 
     rollout = config.rollout
-    arguments = dict(rollout.engine_kwargs)
+    arguments = rollout.engine_arguments()
     if rollout.backend == "hf":
         from rlmega.rollout.hf_engine import HFEngine
 

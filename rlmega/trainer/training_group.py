@@ -117,13 +117,18 @@ class RankProcess:
                 moved += worker.offload() if offloaded else worker.onload()
         return moved
 
-    def save(self, root: str, extra: dict) -> Optional[dict]:
+    def save(self, root: str, extra: dict, keep: Optional[int] = None) -> Optional[dict]:
         """Each trained role under ``root/<role>``; the actor last, so its tracker names a step whose
-        critic checkpoint is complete too."""
+        critic checkpoint is complete too. With ``keep``, then only the newest ``keep`` of each role stay."""
+        from rlmega.workers.checkpoint import rotate_checkpoints
+
         paths = {}
         for name in sorted(self.workers, key=lambda role: role == "actor"):
             if name != "ref" or self.reference_warm_started:
                 paths[name] = str(self.workers[name].save_checkpoint(Path(root) / name, extra, step=extra["step"]))
+        if keep is not None and self.rank == 0:
+            for name in paths:
+                rotate_checkpoints(Path(root) / name, keep)
         return self._rank0(paths)
 
     def load(self, root: str, step: int) -> Optional[dict]:
@@ -184,8 +189,8 @@ class TrainingRanks:
     def set_offloaded(self, offloaded: bool) -> None:
         self.each(lambda rank: rank.set_offloaded.remote(offloaded), "offload" if offloaded else "onload")
 
-    def save(self, root: str, extra: dict) -> dict:
-        return self.first(lambda rank: rank.save.remote(root, extra), "save")
+    def save(self, root: str, extra: dict, keep: Optional[int] = None) -> dict:
+        return self.first(lambda rank: rank.save.remote(root, extra, keep), "save")
 
     def load(self, root: str, step: int) -> dict:
         return self.first(lambda rank: rank.load.remote(root, step), "load")

@@ -115,6 +115,22 @@ def save_checkpoint(root: str | Path, step: int, chunks: list, optimizer=None, s
     return final
 
 
+def rotate_checkpoints(root: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints under ``root``, and any staging
+    directory a killed save left; the checkpoint the tracker names is always kept. Not collective:
+    call it on one rank, after a save is complete. Returns what was deleted."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    root = Path(root)
+    newest = latest_checkpoint(root)
+    complete = sorted((d for d in root.glob("iter_*") if d.suffix != ".tmp" and (d / METADATA).is_file()),
+                      key=lambda d: int(d.name.split("_")[1]))
+    doomed = [d for d in complete[:-keep] if d != newest] + list(root.glob("iter_*.tmp"))
+    for directory in doomed:
+        shutil.rmtree(directory, ignore_errors=True)
+    return doomed
+
+
 def load_checkpoint(path: str | Path, chunks: list, optimizer=None, scheduler=None) -> tuple[int, dict]:
     """Load the checkpoint at ``path`` (an ``iter_*`` directory or its root) into this rank's model,
     optimizer and schedule, whatever layout it was saved with; collective. Returns ``(step, extra)``."""

@@ -149,6 +149,23 @@ class WorkerConfig:
     offload: bool = False
     """Keep parameters (and gradients, optimizer state) in host memory between calls; for a reference
     model, or when training shares devices with rollout engines."""
+    recompute_granularity: Optional[str] = None
+    """Activation recomputation (Megatron's): None keeps every activation; ``full`` recomputes whole
+    layers in the backward pass (the least memory); ``selective`` recomputes only ``recompute_modules``."""
+    recompute_method: Optional[str] = None
+    """``full`` only: ``uniform`` (default) checkpoints units of ``recompute_num_layers`` layers;
+    ``block`` recomputes the first ``recompute_num_layers`` layers of each pipeline stage only."""
+    recompute_num_layers: Optional[int] = None
+    """``full`` only: layers per unit (uniform, default 1) or per stage (block)."""
+    recompute_modules: Optional[list[str]] = None
+    """``selective`` only: any of core_attn, mlp, moe, shared_experts, layernorm, mla_up_proj, moe_act
+    (Megatron's default: ["core_attn"])."""
+    activation_offload_layers: int = 0
+    """Offload the activations of this many layers to host memory during the forward pass
+    (Megatron's ``cpu_offloading``; CUDA only, no pipeline parallelism, not with recomputation)."""
+    freeze_moe_router: bool = False
+    """Keep the MoE routers' weights fixed (no gradient, not updated): a common choice for RL on MoE
+    models, whose routing otherwise drifts between rollout and training."""
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -157,6 +174,31 @@ class WorkerConfig:
             raise ValueError("ppo_epochs and ppo_mini_batches must be >= 1")
         if self.dtype not in (None, "bf16", "fp32"):
             raise ValueError(f"worker dtype {self.dtype!r} must be bf16, fp32 or None (automatic)")
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise ValueError(f"recompute_granularity={self.recompute_granularity!r} must be full, selective or None")
+        if self.recompute_granularity != "full" and (self.recompute_method or self.recompute_num_layers):
+            raise ValueError("recompute_method and recompute_num_layers need recompute_granularity=full")
+        if self.recompute_method not in (None, "uniform", "block"):
+            raise ValueError(f"recompute_method={self.recompute_method!r} must be uniform or block")
+        if self.recompute_modules is not None and self.recompute_granularity != "selective":
+            raise ValueError("recompute_modules needs recompute_granularity=selective")
+        if self.activation_offload_layers < 0:
+            raise ValueError(f"activation_offload_layers must be >= 0, got {self.activation_offload_layers}")
+        if self.activation_offload_layers and self.recompute_granularity:
+            raise ValueError("activation_offload_layers and recompute_granularity exclude each other (Megatron's rule)")
+
+    def memory_settings(self) -> dict:
+        """The ``TransformerConfig`` fields of the recomputation and activation-offload settings."""
+        settings: dict = {}
+        if self.recompute_granularity == "full":
+            settings.update(recompute_granularity="full", recompute_method=self.recompute_method or "uniform",
+                            recompute_num_layers=self.recompute_num_layers or 1)
+        elif self.recompute_granularity == "selective":
+            settings.update(recompute_granularity="selective", recompute_modules=self.recompute_modules)
+        if self.activation_offload_layers:
+            settings.update(cpu_offloading=True, cpu_offloading_num_layers=self.activation_offload_layers,
+                            cpu_offloading_activations=True, cpu_offloading_weights=False)
+        return settings
 
     @property
     def trains(self) -> bool:

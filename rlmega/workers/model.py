@@ -55,10 +55,21 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, config: WorkerConfig) -
     sequence_parallel = layout.tp > 1 if config.sequence_parallel is None else config.sequence_parallel
     if config.role == "critic" and spec.tie_word_embeddings:
         spec = _untied(spec)
+    if config.activation_offload_layers and not torch.cuda.is_available():
+        raise ValueError("activation_offload_layers moves activations from the GPU to host memory and needs CUDA; "
+                         "on CPU use recompute_granularity instead")
     transformer_config = spec.transformer_config(
         layout, params_dtype=dtype, sequence_parallel=sequence_parallel, init_method_std=0.02,
+        **config.memory_settings(),
     )
     models = build_chunks(spec, layout, transformer_config)
+    if config.freeze_moe_router:
+        if not spec.num_experts:
+            raise ValueError("freeze_moe_router needs a MoE model; this one has no experts")
+        for model in models:
+            for name, param in model.named_parameters():
+                if ".router." in name:  # decoder.layers.{i}.mlp.router.weight (and its expert bias)
+                    param.requires_grad_(False)
     if config.role == "critic":
         for model in models:
             if model.post_process:

@@ -63,8 +63,8 @@ class FakeJob:
     def set_offloaded(self, offloaded: bool) -> None:
         self.offloads.append(offloaded)
 
-    def save(self, root: str, extra: dict) -> dict:
-        self.saved.append((root, extra))
+    def save(self, root: str, extra: dict, keep=None) -> dict:
+        self.saved.append((root, extra, keep))
         return {}
 
     def load(self, root: str, step: int) -> dict:

@@ -52,6 +52,11 @@ def test_overrides_and_algorithm_groups_apply(run_dir):
     ("rollout.backend=trt", "rollout.backend: 'trt' is not one of hf, vllm, sglang"),
     ("resume=sometimes", "resume: 'sometimes' is not one of auto, never"),
     ("layout.first_stage_layers=1", "need pipeline parallelism"),
+    ("rollout.tensor_parallel_size=2", "the hf engine runs on one device"),
+    ("rollout.gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization: must be in (0, 1]"),
+    ("trainer.total_epochs=0", "trainer.total_epochs: must be >= 1"),
+    ("trainer.max_checkpoints_to_keep=0", "trainer.max_checkpoints_to_keep"),
+    ("actor.recompute_method=block", "need recompute_granularity=full"),
     ("layout.tp=3", "layout"),
     ("layout.cp=0", "cp"),
     ("data.files=[/nonexistent.parquet]", "data.files"),
@@ -71,6 +76,22 @@ def test_uneven_pipeline_stages_are_settable(run_dir):
     with pytest.raises(ConfigError, match="first_stage_layers=2 and last_stage_layers=1 leaves -1 layers"):
         load_config("tiny_cpu", [f"run_dir={run_dir}", "layout.pp=2", "layout.tp=1", "layout.first_stage_layers=2",
                                  "layout.last_stage_layers=1"])
+
+
+def test_engine_fields_reach_each_backend_by_its_own_names(run_dir):
+    common = [f"run_dir={run_dir}", "rollout.gpus_per_engine=4", "rollout.tensor_parallel_size=2",
+              "rollout.data_parallel_size=2", "rollout.expert_parallel_size=4", "rollout.gpu_memory_utilization=0.7",
+              "rollout.max_num_batched_tokens=8192", "+rollout.engine_kwargs.enforce_eager=true"]
+    vllm = load_config("tiny_cpu", [*common, "rollout.backend=vllm"]).rollout.engine_arguments()
+    assert vllm == {"gpu_memory_utilization": 0.7, "tensor_parallel_size": 2, "data_parallel_size": 2,
+                    "max_num_batched_tokens": 8192, "enable_expert_parallel": True, "enforce_eager": True}
+    sglang = load_config("tiny_cpu", [*common, "rollout.backend=sglang"]).rollout.engine_arguments()
+    assert sglang == {"mem_fraction_static": 0.7, "tp_size": 2, "dp_size": 2, "ep_size": 4,
+                      "max_prefill_tokens": 8192, "enforce_eager": True}
+    with pytest.raises(ConfigError, match="rollout.engine_kwargs.tp_size: set rollout.tensor_parallel_size instead"):
+        load_config("tiny_cpu", [*common, "rollout.backend=sglang", "+rollout.engine_kwargs.tp_size=2"])
+    with pytest.raises(ConfigError, match="needs that many GPUs, got 2"):
+        load_config("tiny_cpu", [*common, "rollout.backend=vllm", "rollout.gpus_per_engine=2"])
 
 
 def test_missing_model_names_the_field(tmp_path):
@@ -93,11 +114,12 @@ def test_every_config_field_is_read_somewhere():
     """Each field name appears as an attribute read (``.name``) in rlmega's code (a definition,
     ``name: type = default``, has no dot, so it does not count), or in one of the tuples of fields
     that are read by name (``getattr``) and passed on as keyword arguments."""
+    from rlmega.config.schema import ENGINE_ARGUMENTS
     from rlmega.trainer.advantages import CONFIG_INPUTS
     from rlmega.workers.config import LOSS_PARAMETERS
 
     sources = "\n".join(path.read_text() for path in (ROOT / "rlmega").rglob("*.py"))
-    by_name = set(CONFIG_INPUTS.values()) | set(LOSS_PARAMETERS)
+    by_name = set(CONFIG_INPUTS.values()) | set(LOSS_PARAMETERS) | {f for names in ENGINE_ARGUMENTS.values() for f in names}
     unread = [f"{cls.__name__}.{name}" for cls, name in _fields(RLConfig)
               if name not in by_name and not re.search(rf"\.{name}\b", sources)]
     assert not unread, f"config fields nothing reads: {unread}"

@@ -33,6 +33,7 @@ def _trainer(tmp_path, assets, *overrides, shift=0.0):
     config = load_config("tiny_cpu", [
         f"run_dir={tmp_path}", f"trainer.total_steps={STEPS}", f"trainer.prompts_per_step={PROMPTS}",
         f"rollout.n={N}", "trainer.sft_steps=1", "trainer.val_every=0", "trainer.save_every=0", "export_hf=false",
+        "rollout.val_temperature=0",
         "reward.num_workers=1", "metrics.backends=[jsonl]", "metrics.plot=false", "actor.ppo_mini_batches=1",
         *overrides])
     prompts = PromptSource(config)
@@ -182,3 +183,20 @@ def test_kl_in_reward_reaches_grpo_and_rloo_by_hand():
         for advantage, want, length in zip(advantages, expected, [2, 1, 2]):
             torch.testing.assert_close(advantage, torch.full((length,), want), rtol=0, atol=1e-6)
         assert math.isclose(metrics["critic/rewards/mean"], mean, rel_tol=1e-6)
+
+
+def test_run_hygiene_epochs_validation_samples_and_critic_warmup(tmp_path, assets):
+    trainer, parts = _trainer(tmp_path, assets, "algo=ppo", "trainer.total_epochs=2", "trainer.val_every=4",
+                              "trainer.val_before_train=false", "trainer.log_val_generations=2", "trainer.val_prompts=3",
+                              "trainer.critic_warmup=2", "trainer.max_checkpoints_to_keep=3", "trainer.save_every=4")
+    steps_per_epoch = len(trainer.prompts.dataset) // PROMPTS
+    assert trainer.total_steps == 2 * steps_per_epoch == 32  # total_epochs decides, not total_steps
+    assert trainer.fit() == 0
+    assert len(parts["critic"].updates) == 32 and len(parts["actor"].updates) == 30  # two critic-only steps
+    assert [extra["step"] for _, extra, _ in parts["job"].saved] == list(range(4, 33, 4))
+    assert all(keep == 3 for _, _, keep in parts["job"].saved)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if "val/accuracy" in row] == list(range(4, 33, 4))  # none before training
+    samples = [json.loads(line) for line in (tmp_path / "generations.jsonl").read_text().splitlines()]
+    assert len(samples) == 2 * 8 and samples[0]["step"] == 4
+    assert samples[0]["score"] == 1.0 and samples[0]["response"] == samples[0]["ground_truth"]  # greedy is right

@@ -108,14 +108,15 @@ def test_console_plain_lines_show_step_progress_and_key_metrics(tmp_path, capsys
         "actor/grad_norm": 0.45, "actor/lr": 1e-6, "timing_s/step": 3.214, "timing_s/gen": 2.1,
         "some/other": 7.0,
     }
-    config = MetricsConfig(backends=["console"], console_every=2, plot=False)
+    config = MetricsConfig(backends=["console"], console_every=2, plot=False, project="math", experiment_name="grpo-7b")
     with MetricsTracker(tmp_path, config, total_steps=10) as tracker:
         for step in (1, 2, 3):
             tracker.log(step, step_metrics)
         tracker.log_validation(3, {"val/accuracy": 0.35})
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 3  # step 1 (first), step 2 (every 2), the validation; not step 3
-    first, second, val = lines
+    assert len(lines) == 4  # the run's name, step 1 (first), step 2 (every 2), the validation; not step 3
+    name, first, second, val = lines
+    assert name == "rlmega run math/grpo-7b"
     assert first.startswith("[step 1/10 ") and "eta" in first
     assert "[step 2/10 ####" in second and "20%" in second
     for text in ("score 0.4123", "len 312.5", "clip 0.0625", "pg_loss -0.01235", "entropy 0.8731",
@@ -301,3 +302,55 @@ def test_metrics_modules_import_neither_megatron_nor_ray():
         imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
         assert not {name.split(".")[0] for name in imported} & {"megatron", "ray"}, module.__name__
+
+
+SAMPLES = [{"prompt": "3+5=", "response": "8", "ground_truth": "8", "score": 1.0},
+           {"prompt": "2|2=", "response": "4\nok", "ground_truth": "4", "score": 0.0}]
+
+
+def test_validation_samples_reach_every_backend(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    calls = []
+    wandb = _fake_wandb(calls)
+    wandb.Table = lambda columns, data: ("table", tuple(columns), [tuple(row) for row in data])
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    mlflow = types.SimpleNamespace(
+        set_experiment=lambda name: None, log_params=lambda params: None, end_run=lambda: None,
+        start_run=lambda **kw: types.SimpleNamespace(info=types.SimpleNamespace(run_id="run-1")),
+        log_metrics=lambda metrics, step: None,
+        log_table=lambda data, artifact_file: calls.append(("mlflow_table", artifact_file, data)),
+    )
+    monkeypatch.setitem(sys.modules, "mlflow", mlflow)
+    config = MetricsConfig(backends=["console", "jsonl", "tensorboard", "wandb", "mlflow"], plot=False)
+    with MetricsTracker(tmp_path, config) as tracker:
+        tracker.log_generations(4, SAMPLES)
+    console = capsys.readouterr().out
+    assert "[val @ step 4] sample 1: '3+5=' -> '8' (expected '8', score 1)" in console
+    assert "sample 2: '2|2=' -> '4\\nok'" in console
+    rows = [json.loads(line) for line in (tmp_path / "generations.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 4, **sample} for sample in SAMPLES]
+    columns = ("prompt", "response", "ground_truth", "score")
+    table = ("table", columns, [("3+5=", "8", "8", 1.0), ("2|2=", "4\nok", "4", 0.0)])
+    assert ("log", 4, {"val/generations": table}) in calls
+    assert ("mlflow_table", "val_generations/step_0000004.json",
+            {"prompt": ["3+5=", "2|2="], "response": ["8", "4\nok"], "ground_truth": ["8", "4"],
+             "score": [1.0, 0.0]}) in calls
+    accumulator = EventAccumulator(str(tmp_path / "tensorboard"))
+    accumulator.Reload()
+    (event,) = accumulator.Tensors("val/generations/text_summary")
+    text = event.tensor_proto.string_val[0].decode()
+    assert event.step == 4 and "| 3+5= | 8 | 8 | 1.0 |" in text and "| 2\\|2= | 4<br>ok | 4 | 0.0 |" in text
+
+
+def test_generations_file_follows_the_resume_rule(tmp_path):
+    with _tracker(tmp_path) as tracker:
+        tracker.log_generations(2, SAMPLES[:1])
+        tracker.log_generations(4, SAMPLES[:1])
+    with _tracker(tmp_path, resume_step=2) as tracker:  # the run resumes after step 2: step 4's rows go
+        tracker.log_generations(3, SAMPLES[1:])
+    rows = [json.loads(line) for line in (tmp_path / "generations.jsonl").read_text().splitlines()]
+    assert [(row["step"], row["prompt"]) for row in rows] == [(2, "3+5="), (3, "2|2=")]
+    with pytest.raises(ValueError, match="missing score"):
+        _tracker(tmp_path / "other").log_generations(1, [{"prompt": "a", "response": "b", "ground_truth": "c"}])

@@ -79,9 +79,11 @@ def test_algorithms_and_placements_run(tmp_path, assets, overrides):
 
 
 def test_killed_run_resumes_to_the_same_metrics(tmp_path, assets):
-    steps = ["trainer.total_steps=4", "layout.tp=1", "layout.world_size=1"]
+    steps = ["trainer.total_steps=4", "layout.tp=1", "layout.world_size=1", "trainer.max_checkpoints_to_keep=2"]
     reference = _train(tmp_path / "straight", assets, *steps)
     assert reference.returncode == 0, reference.stderr[-3000:]
+    kept = sorted(p.name for p in (tmp_path / "straight" / "checkpoints" / "actor").glob("iter_*"))
+    assert kept == ["iter_0000003", "iter_0000004"]  # saved every step, the newest two kept
     run_dir = tmp_path / "killed"
     _prepare(run_dir, assets)
     command = [sys.executable, "-m", "rlmega.cli.main", "train", f"run_dir={run_dir}", *TINY, *steps]
