@@ -15,6 +15,8 @@ examples:
   rlmega train --config tiny_cpu algo=dapo trainer.total_steps=10
   rlmega train --config my_run.yaml run_dir=/scratch/run1 layout.world_size=8 layout.tp=4
   rlmega train --print-config                    # show the resolved configuration and exit
+  rlmega train --from-verl configs/verl/tiny_cpu_grpo.yaml actor_rollout_ref.rollout.n=4 --set run_dir=runs/v
+                                                 # a verl config (and verl-style overrides) on top of --config
 
 overrides use Hydra syntax: key.sub=value, algo=<name> picks configs/algo/<name>.yaml.
 the run resumes from the latest checkpoint in run_dir unless resume=never; SIGTERM saves a
@@ -28,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="tiny_cpu",
                         help="a config name in configs/ or a path to a YAML file (default: tiny_cpu)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
+    parser.add_argument("--from-verl", metavar="FILE", default=None,
+                        help="a verl trainer config (YAML); the overrides are then verl-style keys, translated "
+                             "with it (rlmega/config/VERL.md) and applied on top of --config")
+    parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="rlmega_overrides",
+                        help="with --from-verl: an rlmega override applied after the translation "
+                             "(e.g. --set trainer.val_prompts=64); repeatable")
     parser.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. trainer.total_steps=10")
 
 
@@ -36,7 +44,14 @@ def run(args: argparse.Namespace) -> int:
     from rlmega.config.load import to_yaml
 
     try:
-        config = load_config(args.config, args.overrides, check=False)
+        overrides = args.overrides
+        if args.from_verl:
+            from rlmega.config.verl import translate_verl_config
+
+            overrides = translate_verl_config(args.from_verl, overrides) + args.rlmega_overrides
+        elif args.rlmega_overrides:
+            raise ConfigError("--set is for rlmega overrides next to --from-verl; without it, give them as arguments")
+        config = load_config(args.config, overrides, check=False)
         if args.print_config:
             print(to_yaml(config))
             return 0
@@ -45,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
             prepare_tiny_assets(Path(config.run_dir) / "assets")
         validate(config)
-    except ConfigError as error:
+    except (ConfigError, ValueError) as error:  # ValueError: a verl setting that cannot cross over
         print(f"rlmega train: config error: {error}", file=sys.stderr)
         return 2
     from rlmega.trainer.build import run as run_training

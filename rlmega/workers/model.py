@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import torch
 
-from rlmega.models.spec import ModelSpec, build_chunks
+from rlmega.models.spec import ModelSpec, build_chunks, has_transformer_engine
 from rlmega.parallel.layout import ParallelLayout
 from rlmega.workers.config import OptimizerConfig, WorkerConfig
+
+
+# Selective-recompute modules Megatron checkpoints with CheckpointWithoutOutput, which reads
+# transformer-engine's FP8 state (megatron/core/tensor_parallel/random.py, 0.16).
+OUTPUT_DISCARDING_RECOMPUTE = {"layernorm", "moe_act", "mla_up_proj"}
 
 
 def resolve_dtype(config: WorkerConfig) -> torch.dtype:
@@ -55,6 +60,10 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, config: WorkerConfig) -
     sequence_parallel = layout.tp > 1 if config.sequence_parallel is None else config.sequence_parallel
     if config.role == "critic" and spec.tie_word_embeddings:
         spec = _untied(spec)
+    discarding = sorted(set(config.recompute_modules or ()) & OUTPUT_DISCARDING_RECOMPUTE)
+    if discarding and not has_transformer_engine():
+        raise ValueError(f"recompute_modules {discarding}: Megatron recomputes these with its output-discarding "
+                         "checkpoint, which needs transformer-engine; without it use core_attn, mlp, moe or shared_experts")
     if config.activation_offload_layers and not torch.cuda.is_available():
         raise ValueError("activation_offload_layers moves activations from the GPU to host memory and needs CUDA; "
                          "on CPU use recompute_granularity instead")

@@ -18,6 +18,7 @@ from rlmega.trainer.assets import prepare_tiny_assets
 
 TINY = ["trainer.prompts_per_step=4", "rollout.n=4", "trainer.sft_steps=2", "trainer.val_every=0",
         "trainer.save_every=1", "export_hf=false", "sync.post_sync_check=true", "reward.num_workers=1"]
+ROOT = Path(__file__).resolve().parents[2]
 DETERMINISTIC = {"timing_s/", "perf/", "sync/gbps", "actor/perf", "critic/perf"}
 
 
@@ -202,3 +203,22 @@ def test_perturbed_engine_raises_the_mismatch_and_masked_is_masks_tokens(tmp_pat
         assert perturbed["mismatch/abs_log_prob_diff_mean"] > 100 * max(clean["mismatch/abs_log_prob_diff_mean"], 1e-6)
         assert 0.0 < perturbed["mismatch/masked_token_fraction"] < 1.0
         assert perturbed["rollout_corr/rollout_is_mean"] != 1.0
+
+
+def test_the_quickstart_starts_from_a_verl_config(tmp_path, assets):
+    run_dir = tmp_path / "run"
+    _prepare(run_dir, assets)
+    verl_overrides = ["trainer.total_training_steps=1", "trainer.n_gpus_per_node=1",
+                      "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1", "data.train_batch_size=4",
+                      "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=4",
+                      "trainer.test_freq=0", "trainer.logger=[console]"]
+    rlmega_overrides = [f"run_dir={run_dir}", "trainer.sft_steps=2", "export_hf=false", "reward.num_workers=1"]
+    command = [sys.executable, "-m", "rlmega.cli.main", "train", "--from-verl", str(ROOT / "configs/verl/tiny_cpu_grpo.yaml"),
+               *verl_overrides, *[f"--set={override}" for override in rlmega_overrides]]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "step 1/1" in result.stdout and (run_dir / "checkpoints" / "actor" / "iter_0000001").is_dir()
+    refused = subprocess.run([*command[:5], "actor_rollout_ref.model.lora_rank=8"], capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert "actor_rollout_ref.model.lora_rank" in refused.stderr

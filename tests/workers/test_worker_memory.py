@@ -19,7 +19,7 @@ RECOMPUTE = {
     "none": {},
     "full-uniform": dict(recompute_granularity="full"),
     "full-block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
-    "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp", "layernorm"]),
+    "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
 }
 
 
@@ -84,6 +84,7 @@ def _build_body(rank, world_size, hf_dir, config):
 @pytest.mark.parametrize("config, message", [
     (WorkerConfig(activation_offload_layers=1), "needs CUDA; on CPU use recompute_granularity"),
     (WorkerConfig(freeze_moe_router=True), "freeze_moe_router needs a MoE model"),
+    (WorkerConfig(recompute_granularity="selective", recompute_modules=["layernorm"]), "needs transformer-engine"),
 ])
 def test_settings_that_cannot_work_here_are_refused(checkpoints, config, message):
     from rlmega.parallel.spawn import RankFailure
