@@ -108,6 +108,9 @@ class SyncConfig:
     """Longest wait for one bucket (or the whole sync) before the run stops naming the engine."""
     post_sync_check: bool = True
     """Score greedy probes with the engine and the trainer after a sync; stop if they disagree."""
+    check_every: int = 1
+    """Run the post-sync check after every k-th sync (always after the run's first one): its cost is
+    one greedy generation and one forward pass of a few probe prompts."""
 
 
 @dataclasses.dataclass
@@ -164,6 +167,10 @@ class TrainerConfig:
     console, in ``run_dir/generations.jsonl``, and as a text table in TensorBoard / W&B / MLflow."""
     critic_warmup: int = 0
     """PPO: the first N steps train only the critic (the actor is not updated)."""
+    fuse_old_logprob: bool = True
+    """When a batch gets exactly one optimizer step (``actor.ppo_epochs=1``, ``actor.ppo_mini_batches=1``)
+    and nothing needs the old log-probs before the update (no rollout correction, no KL in the reward),
+    take them from the update's own forward pass instead of a separate one (the same gradient)."""
     seed: int = 1
     sft_steps: int = 0
     """Supervised warm-start steps on the training data's ground truths before RL (tiny models)."""

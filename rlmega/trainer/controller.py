@@ -81,9 +81,11 @@ class Trainer:
         with self._timed(metrics, "gen"), self._rollout_phase():
             rollouts = self.prompts.rollouts(self.engines, step)
         batch = rollouts.batch
+        fused = self._fuses_old_logprob(step)
+        old_logp = entropy = None
         if config.algorithm.rollout_correction.bypass_mode:  # the engine's log-probs are the behaviour policy's
-            old_logp, entropy = rollouts.rollout_logp, None
-        else:
+            old_logp = rollouts.rollout_logp
+        elif not fused:
             with self._timed(metrics, "old_log_prob"):
                 old_logp, entropy = self.actor.compute_logprobs(batch)
         ref_logp = values = None
@@ -93,8 +95,10 @@ class Trainer:
         if self.critic is not None:
             with self._timed(metrics, "values"):
                 values = self.critic.compute_values(batch)
-        fields, correction_metrics = self._corrected_fields(rollouts, old_logp)
-        metrics.update(correction_metrics)
+        fields = {}
+        if not fused:
+            fields, correction_metrics = self._corrected_fields(rollouts, old_logp)
+            metrics.update(correction_metrics)
         advantages, returns, advantage_metrics = compute_advantages(
             config.algorithm, rollouts.scores, batch.response_lengths, rollouts.group_ids,
             kl_estimator=config.actor.policy_loss.kl_estimator, old_logp=old_logp, ref_logp=ref_logp, values=values,
@@ -107,7 +111,13 @@ class Trainer:
                 metrics.update(self.critic.update(batch.with_fields(values=values, returns=returns, **mask)))
         if config.actor.policy_loss.kl_loss_coef > 0:
             fields["ref_logp"] = ref_logp
-        if step > config.trainer.critic_warmup:  # PPO's critic warm-up: the actor waits for a trained critic
+        if fused:
+            with self._timed(metrics, "update_actor"):
+                update_metrics, old_logp, entropy = self.actor.update_on_policy(
+                    batch.with_fields(advantages=advantages, **fields))
+            metrics.update(update_metrics)
+            metrics.update(self._corrected_fields(rollouts, old_logp)[1])  # the mismatch, measured after the fact
+        elif step > config.trainer.critic_warmup:  # PPO's critic warm-up: the actor waits for a trained critic
             with self._timed(metrics, "update_actor"):
                 metrics.update(self.actor.update(batch.with_fields(old_logp=old_logp, advantages=advantages, **fields)))
         with self._timed(metrics, "sync"):
@@ -118,6 +128,14 @@ class Trainer:
         metrics["timing_s/step"] = time.perf_counter() - started
         metrics["perf/throughput"] = sum(batch.lengths) / metrics["timing_s/step"]
         return metrics
+
+    def _fuses_old_logprob(self, step: int) -> bool:
+        """Whether this step's old log-probs come from the update's own forward pass (``trainer.fuse_old_logprob``):
+        one optimizer step per batch, and nothing needs them before the update."""
+        config = self.config
+        return (config.trainer.fuse_old_logprob and config.actor.ppo_epochs == 1 and config.actor.ppo_mini_batches == 1
+                and not config.algorithm.rollout_correction.enabled and not config.algorithm.rollout_correction.bypass_mode
+                and config.algorithm.kl_in_reward_coef == 0 and step > config.trainer.critic_warmup)
 
     def _corrected_fields(self, rollouts: Rollouts, old_logp: list[torch.Tensor]) -> tuple[dict, dict[str, float]]:
         """The loss mask and IS weights from the engine's vs the trainer's log-probs, and the mismatch metrics."""
@@ -156,7 +174,8 @@ class Trainer:
             self.engines.wake()
         stats = self.actor.push_weights(self.engines, version, self.config.sync)
         metrics = {"sync/gbytes": stats.bytes / 1e9, "sync/gbps": stats.gbps}
-        if self.config.sync.post_sync_check:
+        check = self.config.sync
+        if check.post_sync_check and (version == self.start_step or version % check.check_every == 0):
             metrics["sync/max_logprob_diff"] = self.actor.post_sync_check(self.engines, self.prompts.probes(), version)
         versions = self.engines.versions()
         if any(found != version for found in versions):

@@ -43,6 +43,8 @@ class TrainingJob(Protocol):
 class Actor(Protocol):
     def compute_logprobs(self, batch: SequenceBatch) -> LogProbs: ...
     def update(self, batch: SequenceBatch) -> dict[str, float]: ...
+    def update_on_policy(self, batch: SequenceBatch) -> tuple[dict[str, float], list[torch.Tensor],
+                                                                list[torch.Tensor]]: ...
     def sft_step(self, batch: SequenceBatch, lr: float) -> dict[str, float]: ...
     def push_weights(self, engines: Engines, version: int, sync: SyncConfig) -> SyncStats: ...
     def post_sync_check(self, engines: Engines, probes: list[list[int]], version: int) -> float: ...
@@ -74,6 +76,11 @@ class ActorGroup:
 
     def update(self, batch: SequenceBatch) -> dict[str, float]:
         return self._ranks.first(lambda rank: rank.update.remote("actor", batch), "actor update")
+
+    def update_on_policy(self, batch: SequenceBatch) -> tuple[dict[str, float], list[torch.Tensor], list[torch.Tensor]]:
+        """The one optimizer step of a batch, with the old log-probs from its own forward pass (see
+        ``MegatronWorker.update_on_policy``): the metrics, the log-probs and the entropies."""
+        return self._ranks.first(lambda rank: rank.update_on_policy.remote(batch), "actor update")
 
     def sft_step(self, batch: SequenceBatch, lr: float) -> dict[str, float]:
         return self._ranks.first(lambda rank: rank.sft_step.remote(batch, lr), "supervised step")

@@ -76,6 +76,9 @@ class RankProcess:
     def update(self, role: str, batch: SequenceBatch) -> Optional[dict]:
         return self._rank0(self.workers[role].update(batch))
 
+    def update_on_policy(self, batch: SequenceBatch):
+        return self._rank0(self.workers["actor"].update_on_policy(batch))
+
     def sft_step(self, batch: SequenceBatch, lr: float) -> Optional[dict]:
         return self._rank0(self.workers["actor"].sft_step(batch, lr))
 

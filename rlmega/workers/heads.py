@@ -98,8 +98,11 @@ def _mask(batch: SequenceBatch, micro_batch: MicroBatch, device) -> torch.Tensor
 def policy_head(
     batch: SequenceBatch, config: PolicyLossConfig, *, vocab_size: int, chunk_tokens: int, backward_scale: float,
 ) -> Head:
-    """The actor's loss on the micro-batches of ``batch`` (needs fields ``old_logp``, ``advantages``;
-    ``ref_logp`` with a KL loss; optional ``response_mask`` and ``rollout_is_weights``)."""
+    """The actor's loss on the micro-batches of ``batch`` (needs fields ``advantages``; ``ref_logp``
+    with a KL loss; optional ``response_mask`` and ``rollout_is_weights``). Without ``old_logp`` the
+    batch is on-policy (its only optimizer step, from the weights that scored it): the old log-probs
+    are this forward pass's own, detached (ratio 1, the same gradient as a separate pass), and the
+    head hands them back as outputs ``logprobs`` and ``entropy``."""
     loss_fn, loss_kwargs = get_policy_loss(config.name), config.loss_kwargs()
     denominators = global_denominators(batch)
     aggregation = dict(loss_agg_mode=config.loss_agg_mode, global_denominators=denominators, norm_horizon=config.norm_horizon)
@@ -112,8 +115,10 @@ def policy_head(
         extra = {}
         if "rollout_is_weights" in batch.fields:
             extra["rollout_is_weights"] = _field(batch, "rollout_is_weights", micro_batch, device)
+        on_policy = "old_logp" not in batch.fields
+        old_logp = logp.detach() if on_policy else _field(batch, "old_logp", micro_batch, device)
         pg_loss, metrics = loss_fn(
-            logp, _field(batch, "old_logp", micro_batch, device), _field(batch, "advantages", micro_batch, device),
+            logp, old_logp, _field(batch, "advantages", micro_batch, device),
             mask, **loss_kwargs, global_denominators=denominators, **extra,
         )
         summed = {"pg_loss": pg_loss.detach()}
@@ -131,7 +136,9 @@ def policy_head(
             metrics.update(kl_metrics)
             summed["kl_loss_term"] = kl_term.detach()
         summed["loss"] = loss.detach()
-        return HeadResult(loss=(loss + _attached(output)) * backward_scale, metrics=metrics, summed=summed)
+        outputs = {"logprobs": logp_flat.detach(), "entropy": entropy_flat.detach()} if on_policy else {}
+        return HeadResult(loss=(loss + _attached(output)) * backward_scale, metrics=metrics, summed=summed,
+                          outputs=outputs)
 
     return head
 

@@ -107,6 +107,24 @@ class MegatronWorker:
             for name in names
         }
 
+    def update_on_policy(self, batch: SequenceBatch) -> tuple[dict[str, float], list[torch.Tensor], list[torch.Tensor]]:
+        """The actor's one optimizer step on a batch scored by the current weights, without a separate
+        old-log-prob pass: the update's own forward pass gives the old log-probs (detached, so the ratio
+        is 1 and the gradient is the separate pass's). Needs ``ppo_epochs == 1`` and
+        ``ppo_mini_batches == 1`` and no ``old_logp`` field. Returns the metrics and, per sequence, the
+        log-probs and entropies ``[R_i]`` of that forward pass (what ``compute_logprobs`` would give)."""
+        if self.config.role != "actor" or self.config.ppo_epochs != 1 or self.config.ppo_mini_batches != 1:
+            raise RuntimeError("update_on_policy needs the actor with ppo_epochs=1 and ppo_mini_batches=1: "
+                               "with more optimizer steps per batch the old log-probs need their own pass")
+        if "old_logp" in batch.fields:
+            raise ValueError("update_on_policy computes the old log-probs itself; the batch has an old_logp field")
+        with self._on_device():
+            metrics, results, micro_batches = self._train_step(batch, with_results=True)
+        lengths = batch.response_lengths
+        logprobs = scatter_outputs(results, micro_batches, "logprobs", lengths)
+        entropy = scatter_outputs(results, micro_batches, "entropy", lengths)
+        return {f"actor/{name}" if "/" not in name else name: value for name, value in metrics.items()}, logprobs, entropy
+
     def sft_step(self, batch: SequenceBatch, lr: float) -> dict[str, float]:
         """One supervised step (NLL of the response tokens) at learning rate ``lr``, with the actor's
         optimizer (its state carries on into RL) and without advancing the RL schedule."""
@@ -117,7 +135,9 @@ class MegatronWorker:
                 group["lr"] = lr
             return self._train_step(batch, sft=True)
 
-    def _train_step(self, batch: SequenceBatch, sft: bool = False) -> dict[str, float]:
+    def _train_step(self, batch: SequenceBatch, sft: bool = False, with_results: bool = False):
+        """One optimizer step on ``batch``: its metrics (and, ``with_results``, the heads' results and
+        the micro-batches they belong to)."""
         from megatron.core import parallel_state as ps
 
         started = time.perf_counter()
@@ -154,7 +174,7 @@ class MegatronWorker:
         metrics["skipped_steps"] = float(self.skipped_steps)
         num_tokens = sum(batch.lengths)
         metrics.update(self._perf.report(num_tokens, time.perf_counter() - started, training=True))
-        return metrics
+        return (metrics, results, micro_batches) if with_results else metrics
 
     def _zero_grads(self) -> None:
         for chunk in self.chunks:

@@ -79,7 +79,7 @@ class FakeActor:
 
     def __init__(self, shift: float = 0.0):
         self.shift = shift
-        self.logprob_batches, self.updates, self.sft_batches, self.pushed = [], [], [], []
+        self.logprob_batches, self.updates, self.sft_batches, self.pushed, self.checked = [], [], [], [], []
 
     def compute_logprobs(self, batch):
         self.logprob_batches.append(batch)
@@ -89,6 +89,13 @@ class FakeActor:
     def update(self, batch) -> dict[str, float]:
         self.updates.append(batch)
         return {"actor/pg_loss": 0.0}
+
+    def update_on_policy(self, batch):
+        assert "old_logp" not in batch.fields
+        self.updates.append(batch)
+        logp, entropy = self.compute_logprobs(batch)
+        self.logprob_batches.pop()  # scored inside the update, not by a pass of its own
+        return {"actor/pg_loss": 0.0}, logp, entropy
 
     def sft_step(self, batch, lr: float) -> dict[str, float]:
         self.sft_batches.append((batch, lr))
@@ -102,6 +109,7 @@ class FakeActor:
 
     def post_sync_check(self, engines, probes, version: int) -> float:
         assert engines.version == version and probes
+        self.checked.append(version)
         return 0.0
 
 

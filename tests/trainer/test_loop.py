@@ -55,16 +55,16 @@ def _scores(trainer, batch):
 
 
 def test_grpo_loop_calls_each_part_with_the_right_data(tmp_path, assets):
-    trainer, parts = _trainer(tmp_path, assets, "algo=grpo", "rollout.temperature=0.7")
+    trainer, parts = _trainer(tmp_path, assets, "algo=grpo", "rollout.temperature=0.7", "trainer.fuse_old_logprob=false")
     assert trainer.fit() == 0
     actor, engines, job, reference = parts["actor"], parts["engines"], parts["job"], parts["reference"]
     assert len(actor.sft_batches) == 1 and actor.sft_batches[0][1] == trainer.config.trainer.sft_lr
     assert reference.copied == 1  # the reference is the warm-started actor
-    assert [version for version, _ in actor.pushed] == [0, 1, 2, 3]
+    assert [version for version, _ in actor.pushed] == actor.checked == [0, 1, 2, 3]
     assert all(sync is trainer.config.sync for _, sync in actor.pushed)
     assert job.offloads == [True, False] * STEPS  # colocated: training offloaded while engines generate
     assert [params.temperature for params in engines.calls] == [0.7] * STEPS
-    assert len(actor.updates) == STEPS and engines.shut_down and job.shut_down
+    assert len(actor.updates) == len(actor.logprob_batches) == STEPS and engines.shut_down and job.shut_down
     for scored, update in zip(actor.logprob_batches, actor.updates):
         assert scored.temperature == update.temperature == 0.7  # log-probs under the sampled distribution
         assert set(update.fields) == {"old_logp", "advantages", "ref_logp"}
@@ -87,6 +87,29 @@ def _token_rewards(update, scores, kl_per_token=0.0):
     mask = torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]
     rewards = algos.place_scores_at_last_token(scores, mask) - kl_per_token * mask
     return rewards, mask
+
+
+def test_one_step_batches_take_the_old_logprobs_from_the_update(tmp_path, assets):
+    trainer, parts = _trainer(tmp_path, assets, "algo=grpo")  # one epoch, one mini-batch
+    assert trainer.fit() == 0
+    actor = parts["actor"]
+    assert actor.logprob_batches == [] and len(actor.updates) == STEPS  # no separate old-log-prob pass
+    assert all("old_logp" not in update.fields for update in actor.updates)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(row["mismatch/abs_log_prob_diff_max"] == 0.0 and "timing_s/old_log_prob" not in row for row in rows)
+    for index, needs_the_pass in enumerate(("actor.ppo_mini_batches=2", "algorithm.rollout_correction.rollout_is=token",
+                                            "algorithm.kl_in_reward_coef=0.1")):
+        separate, parts = _trainer(tmp_path / f"separate{index}", assets, "algo=grpo", needs_the_pass)
+        separate.fit()
+        assert len(parts["actor"].logprob_batches) == STEPS, needs_the_pass
+
+
+def test_post_sync_check_at_its_cadence_and_always_first(tmp_path, assets):
+    trainer, parts = _trainer(tmp_path, assets, "algo=grpo", "sync.check_every=2")
+    trainer.fit()
+    assert parts["actor"].checked == [0, 2]  # the first sync, then every second
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert ["sync/max_logprob_diff" in row for row in rows] == [False, True, False]
 
 
 def test_ppo_loop_trains_the_critic_on_gae_returns(tmp_path, assets):

@@ -157,3 +157,52 @@ def test_every_policy_loss_trains_through_config_alone(checkpoints):
     for name, (metrics, moved) in results.items():
         assert math.isfinite(metrics["actor/loss"]) and math.isfinite(metrics["actor/grad_norm"]), name
         assert metrics["actor/skipped_steps"] == 0 and moved > 0, name
+
+
+def _on_policy_body(rank, world_size, layout, hf_dir, fused):
+    initialize(layout)
+    config = dataclasses.replace(_config(), policy_loss=PolicyLossConfig(name="ppo", entropy_coeff=0.01))
+    worker = MegatronWorker(_spec(hf_dir), layout, config, hf_dir=hf_dir)
+    batch = make_batch()
+    generator = torch.Generator().manual_seed(9)
+    advantages = [torch.randn(n, generator=generator) for n in batch.response_lengths]
+    if fused:
+        metrics, logp, entropy = worker.update_on_policy(batch.with_fields(advantages=advantages))
+    else:
+        logp, entropy = worker.compute_logprobs(batch)
+        metrics = worker.update(batch.with_fields(old_logp=logp, advantages=advantages))
+    weights = {name: tensor.clone() for name, tensor in worker.export_hf_weights(destinations=[0])}
+    destroy()
+    return metrics, weights, logp, entropy
+
+
+@pytest.mark.parametrize("layout_args", [dict(world_size=1), dict(tp=2, pp=2, world_size=4)], ids=["tp1", "tp2-pp2"])
+def test_on_policy_update_equals_a_separate_old_logprob_pass(checkpoints, layout_args):
+    """The fused path (old log-probs from the update's own forward) gives the same step as scoring the
+    batch first: weights and gradient norm to 1e-6, and the same log-probs and entropies."""
+    layout = ParallelLayout(**layout_args)
+    runs = {fused: run_on_ranks(_on_policy_body, layout.world_size, timeout_s=TIMEOUT_S,
+                                args=(layout, str(checkpoints["llama"]), fused))[0] for fused in (False, True)}
+    (separate, separate_weights, separate_logp, separate_entropy) = runs[False]
+    (fused, fused_weights, fused_logp, fused_entropy) = runs[True]
+    assert fused["actor/grad_norm"] == pytest.approx(separate["actor/grad_norm"], rel=1e-6)
+    assert fused["actor/ppo_kl"] == 0.0 and fused["actor/pg_clipfrac"] == 0.0  # ratio exactly 1
+    for name, tensor in separate_weights.items():
+        torch.testing.assert_close(fused_weights[name], tensor, rtol=0, atol=1e-6, msg=name)
+    for got, want in zip(fused_logp + fused_entropy, separate_logp + separate_entropy):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_on_policy_update_refuses_batches_that_need_the_separate_pass(checkpoints):
+    with pytest.raises(Exception, match="ppo_epochs=1 and ppo_mini_batches=1"):
+        run_on_ranks(_refused_body, 1, timeout_s=TIMEOUT_S, args=(str(checkpoints["llama"]),))
+
+
+def _refused_body(rank, world_size, hf_dir):
+    initialize(ParallelLayout())
+    try:
+        worker = MegatronWorker(_spec(hf_dir), ParallelLayout(), dataclasses.replace(_config(), ppo_mini_batches=2),
+                                hf_dir=hf_dir)
+        worker.update_on_policy(make_batch())
+    finally:
+        destroy()
