@@ -1,7 +1,9 @@
 """The ``rlmega`` console entry point: argparse with one subcommand per module.
 
 To add a subcommand, write a module with a one-line ``HELP``, ``add_arguments(parser)`` and
-``run(args) -> exit code``, and register it in ``SUBCOMMANDS``.
+``run(args) -> exit code``, and register it in ``SUBCOMMANDS``. A ``rlmega.errors.UserError`` that ``run``
+raises (a bad config value, data file or reward function) is printed as ``rlmega <command>: <message>``
+on one line, and the exit code is 2.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import rlmega
 from rlmega.cli import convert, doctor, sft, smoke, train
+from rlmega.errors import UserError
 
 AddArguments = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]
@@ -59,7 +62,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         # argparse exits on --help, --version and usage errors; return the code so callers
         # (tests, other tools) get an exit status from main() in every case.
         return int(exit_request.code or 0)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except UserError as error:
+        # Bad input is the user's to fix, not a bug: one line, no traceback, exit code 2 (as for usage errors).
+        print(f"rlmega {args.command}: {' '.join(str(error).splitlines())}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

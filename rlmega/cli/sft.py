@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 HELP = "supervised fine-tuning on the dataset's ground-truth answers (the RL warm-start, run alone)"
@@ -29,18 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rlmega.config import ConfigError, load_config, validate
 
-    try:
-        config = load_config(args.config, args.overrides, check=False)
-        if config.tiny_assets:
-            from rlmega.trainer.assets import prepare_tiny_assets
+    config = load_config(args.config, args.overrides, check=False)
+    if config.tiny_assets:
+        from rlmega.trainer.assets import prepare_tiny_assets
 
-            prepare_tiny_assets(Path(config.run_dir) / "assets")
-        validate(config)
-        if config.trainer.sft_steps < 1:
-            raise ConfigError("trainer.sft_steps: rlmega sft needs at least one step")
-    except ConfigError as error:
-        print(f"rlmega sft: config error: {error}", file=sys.stderr)
-        return 2
+        prepare_tiny_assets(Path(config.run_dir) / "assets")
+    validate(config)
+    if config.trainer.sft_steps < 1:
+        raise ConfigError("trainer.sft_steps: rlmega sft needs at least one step")
     from rlmega.trainer.build import run_sft
 
     return run_sft(config)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 HELP = "run RL training (GRPO, DAPO, PPO, REINFORCE++, RLOO) from a config"
@@ -43,26 +42,25 @@ def run(args: argparse.Namespace) -> int:
     from rlmega.config import ConfigError, load_config, validate
     from rlmega.config.load import to_yaml
 
-    try:
-        overrides = args.overrides
-        if args.from_verl:
-            from rlmega.config.verl import translate_verl_config
+    overrides = args.overrides
+    if args.from_verl:
+        from rlmega.config.verl import translate_verl_config
 
+        try:
             overrides = translate_verl_config(args.from_verl, overrides) + args.rlmega_overrides
-        elif args.rlmega_overrides:
-            raise ConfigError("--set is for rlmega overrides next to --from-verl; without it, give them as arguments")
-        config = load_config(args.config, overrides, check=False)
-        if args.print_config:
-            print(to_yaml(config))
-            return 0
-        if config.tiny_assets:
-            from rlmega.trainer.assets import prepare_tiny_assets
+        except ValueError as error:  # a verl setting that cannot cross over, named on one line
+            raise ConfigError(str(error)) from error
+    elif args.rlmega_overrides:
+        raise ConfigError("--set is for rlmega overrides next to --from-verl; without it, give them as arguments")
+    config = load_config(args.config, overrides, check=False)
+    if args.print_config:
+        print(to_yaml(config))
+        return 0
+    if config.tiny_assets:
+        from rlmega.trainer.assets import prepare_tiny_assets
 
-            prepare_tiny_assets(Path(config.run_dir) / "assets")
-        validate(config)
-    except (ConfigError, ValueError) as error:  # ValueError: a verl setting that cannot cross over
-        print(f"rlmega train: config error: {error}", file=sys.stderr)
-        return 2
+        prepare_tiny_assets(Path(config.run_dir) / "assets")
+    validate(config)
     from rlmega.trainer.build import run as run_training
 
     return run_training(config)

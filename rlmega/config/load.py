@@ -2,24 +2,43 @@
 
 Hydra composes the YAML (its ``defaults`` list can pull config groups such as ``algo: dapo``) on
 top of the ``RLConfig`` schema registered in Hydra's ConfigStore; unknown keys and wrong types are
-refused by name. ``validate`` then checks what types cannot (files exist, sizes divide, the layout
-fits the model) once, before anything starts.
+refused by name. ``validate`` then checks what types cannot (sizes, files exist, sizes divide, the
+layout fits the model, GPUs exist, the reward function is in its file, every data row parses and
+fits ``max_prompt_length``) once, before anything starts.
+
+Errors: every refusal is a ``rlmega.errors.UserError`` with a one-line message that says what is
+wrong, where, and how to fix it; ``rlmega <command>`` prints it as ``rlmega <command>: <message>``
+and exits with code 2, before Ray or any worker starts. For example:
+
+    trainer.totl_epochs: no such field; did you mean trainer.total_epochs?
+    trainer.prompts_per_step: expected an int, got 'abc'
+    algo=grpoo: no such option; choose one of dapo, grpo, ppo, reinforce_plus_plus, rloo
+    my_run.yaml line 6: not valid YAML: mapping values are not allowed here (column 13)
+    rollout.max_new_tokens: must be an int >= 1, got 0
+    data/train.jsonl line 3: not valid JSON (Expecting value at column 1); each line must hold one JSON object
+
+``ConfigError`` is a setting's (``rlmega.config.explain`` turns Hydra's and OmegaConf's errors into
+these lines), ``rlmega.data.DataFormatError`` a data file's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Sequence
 
+from rlmega.config.explain import explain, extra_keys, no_such_field
 from rlmega.config.schema import RLConfig
+from rlmega.errors import UserError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 SCHEMA_NAME = "rlmega_schema"
 
 
-class ConfigError(ValueError):
-    """A configuration value that cannot work; the message starts with the field's dotted name."""
+class ConfigError(UserError):
+    """A configuration value that cannot work; the message starts with the field's dotted name (after
+    the YAML file's path when the file holds the value)."""
 
 
 def _register_schema() -> None:
@@ -43,6 +62,7 @@ def _locate(name_or_path: str) -> tuple[Path, str]:
 def load_config(name_or_path: str = "tiny_cpu", overrides: Sequence[str] = (), *, check: bool = True) -> RLConfig:
     """The run configuration from a config name (``configs/<name>.yaml``) or a YAML path, with
     Hydra-syntax ``overrides`` (``trainer.total_steps=10``, ``algo=dapo``). Validated unless ``check=False``."""
+    import yaml
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
@@ -50,24 +70,25 @@ def load_config(name_or_path: str = "tiny_cpu", overrides: Sequence[str] = (), *
 
     _register_schema()
     directory, name = _locate(name_or_path)
+    overrides = list(overrides)
+    # A YAML outside configs/ can still pick the shipped groups (algo=dapo); its own folder comes first.
+    search_path = [] if directory == CONFIG_DIR else [f"hydra.searchpath=[file://{CONFIG_DIR}]"]
     try:
         with initialize_config_dir(config_dir=str(directory), version_base=None):
-            composed = compose(config_name=name, overrides=list(overrides))
+            composed = compose(config_name=name, overrides=search_path + overrides)
         config = OmegaConf.to_object(composed)
-    except (HydraException, OmegaConfBaseException) as error:
-        raise ConfigError(f"{name_or_path}: {error}".splitlines()[0] + _hint(error)) from error
+    except (HydraException, OmegaConfBaseException, yaml.YAMLError) as error:
+        raise ConfigError(explain(error, overrides, (directory, CONFIG_DIR))) from error
     except (ValueError, TypeError) as error:  # a component config's own check (__post_init__)
         raise ConfigError(f"{name_or_path}: {error}") from error
     if not isinstance(config, RLConfig):
         raise ConfigError(f"{name_or_path}: the YAML must list '{SCHEMA_NAME}' first in its defaults")
+    unknown = next(extra_keys(config), None)
+    if unknown is not None:
+        raise ConfigError(no_such_field(unknown, overrides))
     if check:
         validate(config)
     return config
-
-
-def _hint(error: Exception) -> str:
-    key = getattr(error, "full_key", None)
-    return f" (field {key})" if key and str(key) not in str(error).splitlines()[0] else ""
 
 
 def _require(condition: bool, field: str, message: str) -> None:
@@ -76,13 +97,18 @@ def _require(condition: bool, field: str, message: str) -> None:
 
 
 def validate(config: RLConfig) -> None:
-    """Raise ConfigError naming the first field that cannot work."""
+    """Raise a UserError naming the first field, file or row that cannot work: ConfigError for a
+    setting, DataFormatError for a dataset row (the data files are read and tokenized here)."""
     from rlmega.models import UnsupportedModelError, model_spec_from_hf
     from rlmega.parallel.layout import LayoutError
+    from rlmega.rewards.user_function import check_function_defined
 
     from rlmega import algos
 
     _check_choices(config, "")
+    for field, minimum in COUNTS.items():
+        value = _get(config, field)
+        _require(type(value) is int and value >= minimum, field, f"must be an int >= {minimum}, got {value!r}")
     _require(config.algorithm.adv_estimator in algos.ADVANTAGE_ESTIMATORS, "algorithm.adv_estimator",
              f"{config.algorithm.adv_estimator!r} is not one of {', '.join(sorted(algos.ADVANTAGE_ESTIMATORS))}")
     for role in ("actor", "ref", "critic"):
@@ -101,7 +127,9 @@ def validate(config: RLConfig) -> None:
              f"{config.sync.transport!r} is not one of auto, {', '.join(sorted(_transports()))}")
     _require(config.sync.bucket_bytes > 0 and config.sync.timeout_s > 0, "sync.bucket_bytes / sync.timeout_s",
              "must be > 0")
+    _require(config.sync.check_every >= 1, "sync.check_every", "must be >= 1")
     _require(config.rollout.num_engines >= 1, "rollout.num_engines", "must be >= 1")
+    _check_devices(config)
     rollout = config.rollout
     for field in ("tensor_parallel_size", "data_parallel_size", "expert_parallel_size"):
         _require(getattr(rollout, field) >= 1, f"rollout.{field}", "must be >= 1")
@@ -122,12 +150,10 @@ def validate(config: RLConfig) -> None:
              "trainer.max_checkpoints_to_keep", "must be >= 1 or null (keep all)")
     _require(trainer.log_val_generations >= 0 and trainer.critic_warmup >= 0,
              "trainer.log_val_generations / trainer.critic_warmup", "must be >= 0")
-    _require(config.rollout.n >= 1, "rollout.n", "must be >= 1")
     _require(not config.algorithm.dynamic_sampling or config.rollout.n > 1, "algorithm.dynamic_sampling",
              "needs rollout.n > 1 (a group of one always has equal scores)")
     _require(config.algorithm.adv_estimator not in GROUP_ESTIMATORS or config.rollout.n > 1, "rollout.n",
              f"{config.algorithm.adv_estimator} compares responses within a group: needs n > 1")
-    _require(config.trainer.total_steps >= 1, "trainer.total_steps", "must be >= 1")
     responses = config.trainer.prompts_per_step * config.rollout.n
     _require(responses >= config.actor.ppo_mini_batches, "actor.ppo_mini_batches",
              f"{config.actor.ppo_mini_batches} mini-batches need at least as many responses per step, got {responses}")
@@ -149,6 +175,68 @@ def validate(config: RLConfig) -> None:
         spec.check_layout(config.layout.build())
     except LayoutError as error:
         raise ConfigError(f"layout: {error}") from error
+    if config.reward.user_function is not None:
+        check_function_defined(config.reward.user_function)
+    _check_data(config)
+
+
+# Sizes that must be whole numbers, with their least value.
+COUNTS = {"rollout.n": 1, "rollout.max_new_tokens": 1, "trainer.total_steps": 1, "trainer.prompts_per_step": 1,
+          "trainer.val_prompts": 1, "trainer.sft_steps": 0, "trainer.save_every": 0, "trainer.val_every": 0}
+
+
+def _get(config: RLConfig, dotted: str):
+    value = config
+    for name in dotted.split("."):
+        value = getattr(value, name)
+    return value
+
+
+def _check_devices(config: RLConfig) -> None:
+    """GPUs asked of a local Ray that this machine cannot give (a joined cluster's nodes may have them)."""
+    if config.cluster.ray_address or os.environ.get("RAY_ADDRESS"):
+        return
+    for field in ("rollout.gpus_per_engine", "cluster.gpus_per_rank"):
+        value = _get(config, field)
+        if value > 0:
+            import torch
+
+            if torch.cuda.device_count() == 0:
+                raise ConfigError(f"{field}={value:g} asks for GPUs, but this machine has none "
+                                  "(torch.cuda.device_count() == 0); set it to 0 or join a Ray cluster with GPUs "
+                                  "via cluster.ray_address")
+
+
+def _check_data(config: RLConfig) -> None:
+    """Read and tokenize the datasets as the run will, so that a bad file or row is refused with the
+    other checks, before anything starts (DataFormatError naming the file and row)."""
+    from transformers import AutoTokenizer
+
+    from rlmega.data import DataFormatError, PromptDataset
+    from rlmega.rewards import RULE_SCORERS
+
+    field = "model.tokenizer_path" if config.model.tokenizer_path else "model.path"
+    source = config.model.tokenizer_path or config.model.path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{field}: no tokenizer loads from {source} ({str(error).splitlines()[0]})") from None
+    dataset = PromptDataset(config.data, tokenizer, config_key="data")
+    datasets = [dataset]
+    if config.trainer.val_every:
+        datasets.append(PromptDataset(config.val_data, tokenizer, config_key="val_data"))
+    prompts_per_step = config.trainer.prompts_per_step
+    filtered = f" ({dataset.num_filtered} more were longer than data.max_prompt_length)" if dataset.num_filtered else ""
+    _require(prompts_per_step <= len(dataset), "trainer.prompts_per_step",
+             f"{prompts_per_step} prompts per step, but data.files hold {len(dataset)}{filtered}; "
+             "lower trainer.prompts_per_step or add prompts")
+    if config.reward.user_function is None:
+        unscored = next((r for data in datasets for r in data.records if r.data_source not in RULE_SCORERS), None)
+        if unscored is not None:
+            raise DataFormatError(
+                f"{unscored.source_file} row {unscored.source_row}: no rule scorer for data_source "
+                f"{unscored.data_source!r}; valid: {', '.join(sorted(RULE_SCORERS))}; or score every row with "
+                "reward.user_function=path/to/file.py:function")
 
 
 def _check_choices(node, prefix: str) -> None:

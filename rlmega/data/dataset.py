@@ -9,6 +9,7 @@ from typing import Any
 
 from rlmega.data.files import read_rows
 from rlmega.data.schema import DataFormatError, Message, PromptRecord, parse_row
+from rlmega.errors import UserError
 
 TRUNCATION_MODES = ("error", "left", "right")
 _ENCODE_CHUNK = 1024
@@ -64,27 +65,37 @@ class PromptDataset:
     """Every prompt of the configured files as a ``PromptRecord``, indexable and batchable.
 
     Rows are checked against the schema, rendered, tokenized, then filtered or truncated to
-    ``max_prompt_length``; any error names the file and row.
+    ``max_prompt_length``; any error is a DataFormatError naming the file and row, and the settings
+    of the config section ``config_key`` (``data`` or ``val_data``) that would fix it.
     """
 
-    def __init__(self, config: DataConfig, tokenizer: Any):
+    def __init__(self, config: DataConfig, tokenizer: Any, *, config_key: str = "data"):
         if not config.files:
             raise ValueError("DataConfig.files: at least one dataset file is required")
         self.config = config
+        self.config_key = config_key
         self.num_filtered = 0
         self.num_truncated = 0
         self.records: list[PromptRecord] = []
+        if config.use_chat_template and getattr(tokenizer, "chat_template", None) is None:
+            raise UserError(f"{config_key}.use_chat_template: the tokenizer has no chat template; set "
+                            f"{config_key}.use_chat_template=false to tokenize the prompts' text as it is")
         for path in config.files:
             self._load_file(path, tokenizer)
         if not self.records:
-            raise ValueError(
-                f"no prompts left from {config.files} (filtered as too long: {self.num_filtered}, "
-                f"max_prompt_length={config.max_prompt_length})"
+            raise DataFormatError(
+                f"{config_key}.files: no prompts left: all {self.num_filtered} are longer than "
+                f"{config_key}.max_prompt_length={config.max_prompt_length} and "
+                f"{config_key}.filter_overlong_prompts=true drops them; raise {config_key}.max_prompt_length"
             )
 
     def _load_file(self, path: str, tokenizer: Any) -> None:
-        config = self.config
-        parsed = [parse_row(row, path, row_number, config.prompt_key) for row_number, row in enumerate(read_rows(path))]
+        config, key = self.config, self.config_key
+        rows = read_rows(path)
+        if not rows:
+            raise DataFormatError(f"{path}: no rows (the file is empty); each file of {key}.files needs at least one "
+                                  "prompt row")
+        parsed = [parse_row(row, path, row_number, config.prompt_key, key) for row_number, row in enumerate(rows)]
         texts = [
             prompt_text(row.messages, tokenizer, config.use_chat_template, config.chat_template_kwargs)
             for row in parsed
@@ -112,7 +123,7 @@ class PromptDataset:
             ))
 
     def _fit_length(self, ids: list[int], path: str, row_number: int) -> list[int] | None:
-        limit = self.config.max_prompt_length
+        limit, key = self.config.max_prompt_length, self.config_key
         if len(ids) <= limit:
             return ids
         if self.config.filter_overlong_prompts:
@@ -120,8 +131,9 @@ class PromptDataset:
             return None
         if self.config.truncation == "error":
             raise DataFormatError(
-                f"{path} row {row_number}: prompt is {len(ids)} tokens, longer than max_prompt_length={limit}; "
-                "set truncation to 'left' or 'right', or filter_overlong_prompts=True"
+                f"{path} row {row_number}: the prompt is {len(ids)} tokens, longer than "
+                f"{key}.max_prompt_length={limit}; set {key}.truncation=left (keep its end) or "
+                f"{key}.filter_overlong_prompts=true (skip such prompts), or raise {key}.max_prompt_length"
             )
         self.num_truncated += 1
         return ids[-limit:] if self.config.truncation == "left" else ids[:limit]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -20,24 +21,46 @@ def _suffix(path: str) -> str:
 
 
 def read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """All rows of a ``.parquet`` or ``.jsonl`` file as dicts (nested structs become dicts, lists stay lists)."""
+    """All rows of a ``.parquet`` or ``.jsonl`` file as dicts (nested structs become dicts, lists stay lists);
+    an empty file has none. A file that cannot be read raises DataFormatError naming the file and line."""
     path = os.fspath(path)
     suffix = _suffix(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"dataset file not found: {path}")
+    if os.path.getsize(path) == 0:
+        return []
     if suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        try:
+            return pq.read_table(path).to_pylist()
+        except (pa.ArrowException, OSError) as error:
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise DataFormatError(f"{path}: not a readable parquet file ({reason})") from None
     rows = []
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
+    offset = 0
+    with open(path, "rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            start = len(codecs.BOM_UTF8) if line_number == 1 and raw.startswith(codecs.BOM_UTF8) else 0
+            try:
+                line = raw[start:].decode("utf-8")
+            except UnicodeDecodeError as error:
+                position = offset + start + error.start
+                raise DataFormatError(
+                    f"{path} line {line_number}: not UTF-8 (byte 0x{raw[start + error.start]:02x} at byte offset "
+                    f"{position} of the file); save the file as UTF-8"
+                ) from None
+            offset += len(raw)
             if not line.strip():
                 continue
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as error:
-                raise DataFormatError(f"{path} line {line_number}: not valid JSON ({error})") from None
+                raise DataFormatError(
+                    f"{path} line {line_number}: not valid JSON ({error.msg} at column {error.colno}); "
+                    "each line must hold one JSON object"
+                ) from None
     return rows
 
 

@@ -16,11 +16,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlmega.errors import UserError
+
 Message = dict[str, str]
 
 
-class DataFormatError(ValueError):
-    """A row of a dataset file does not follow the schema; the message names the file, row and field."""
+class DataFormatError(UserError):
+    """A dataset file that cannot be used: a row that does not follow the schema, a file that does not
+    parse; the message names the file, the row or line, and the field."""
 
 
 @dataclass
@@ -83,14 +86,18 @@ def parse_messages(prompt: Any, where: str, prompt_key: str = "prompt") -> list[
     return messages
 
 
-def parse_row(row: Any, source_file: str, source_row: int, prompt_key: str = "prompt") -> ParsedRow:
-    """Check one row against the schema; a DataFormatError names the file, row and offending field."""
+def parse_row(row: Any, source_file: str, source_row: int, prompt_key: str = "prompt",
+              config_key: str = "data") -> ParsedRow:
+    """Check one row against the schema; a DataFormatError names the file, row and offending field
+    (and, to fix it, the settings of the config section ``config_key``)."""
     where = _where(source_file, source_row)
     if not isinstance(row, Mapping):
         raise DataFormatError(f"{where}: a row must be a mapping of fields, got {type(row).__name__}")
     missing = [key for key in (prompt_key, "data_source", "reward_model") if key not in row or row[key] is None]
     if missing:
-        raise DataFormatError(f"{where}: missing field(s) {missing}; the row has {sorted(row)}")
+        fix = (f"if the prompt is in another column, set {config_key}.prompt_key to it" if prompt_key in missing
+               else "every row needs the prompt, data_source and reward_model fields (rlmega/data/schema.py)")
+        raise DataFormatError(f"{where}: missing field(s) {missing}; the row has {sorted(row)}; {fix}")
     messages = parse_messages(row[prompt_key], where, prompt_key)
     data_source = row["data_source"]
     if not isinstance(data_source, str) or not data_source:
@@ -101,7 +108,8 @@ def parse_row(row: Any, source_file: str, source_row: int, prompt_key: str = "pr
             f"{where}: field 'reward_model' must be a mapping with 'ground_truth', got {type(reward_model).__name__}"
         )
     if reward_model.get("ground_truth") is None:
-        raise DataFormatError(f"{where}: missing field 'reward_model.ground_truth'")
+        raise DataFormatError(f"{where}: missing field 'reward_model.ground_truth' (the answer the reward scorer "
+                              "compares with); every row needs one")
     style = reward_model.get("style")
     if style is not None and not isinstance(style, str):
         raise DataFormatError(f"{where}: field 'reward_model.style' must be a string, got {type(style).__name__}")

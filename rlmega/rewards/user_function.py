@@ -10,6 +10,7 @@ are reported as metrics, the rest ignored.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import math
 import numbers
@@ -17,6 +18,8 @@ import os
 import sys
 from collections.abc import Mapping
 from typing import Any, Callable
+
+from rlmega.errors import UserError
 
 
 def parse_function_spec(spec: str) -> tuple[str, str]:
@@ -28,6 +31,49 @@ def parse_function_spec(spec: str) -> tuple[str, str]:
     if not os.path.isfile(path):
         raise ValueError(f"reward function {spec!r}: file not found: {path}")
     return path, name
+
+
+def check_function_defined(spec: str) -> None:
+    """UserError unless the file of ``spec`` defines or imports the function's name at its top level.
+
+    The file is parsed, not run: a check before the run starts must not execute user code (which may
+    import anything) in the launching process. Names a star import brings in cannot be known and pass."""
+    path, name = parse_function_spec(spec)
+    shown = str(spec).rpartition(":")[0]
+    try:
+        with open(path, "rb") as handle:
+            tree = ast.parse(handle.read(), filename=shown)
+    except (SyntaxError, ValueError) as error:
+        line = f" line {error.lineno}" if getattr(error, "lineno", None) else ""
+        raise UserError(f"reward.user_function={spec}: {shown}{line}: not valid Python "
+                        f"({getattr(error, 'msg', error)})") from None
+    functions, other_names, star_import = [], set(), False
+    for node in _top_level(tree.body):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            functions.append(node.name)
+        elif isinstance(node, ast.ClassDef):
+            other_names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            star_import |= any(alias.name == "*" for alias in node.names)
+            other_names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            other_names.update(n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name))
+    if name in functions or name in other_names or star_import:
+        return
+    defined = ", ".join(functions) if functions else "no functions"
+    raise UserError(f"reward.user_function={spec}: {shown} has no function {name} (it defines: {defined})")
+
+
+def _top_level(statements: list[ast.stmt]):
+    """The module-level statements, including those inside top-level if / try / with blocks."""
+    for node in statements:
+        yield node
+        if isinstance(node, (ast.If, ast.Try, ast.With)):
+            blocks = [node.body, getattr(node, "orelse", []), getattr(node, "finalbody", [])]
+            blocks += [handler.body for handler in getattr(node, "handlers", [])]
+            for block in blocks:
+                yield from _top_level(block)
 
 
 def load_function(spec: str) -> Callable[..., Any]:

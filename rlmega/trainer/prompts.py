@@ -63,7 +63,8 @@ class PromptSource:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
         self.dataset = PromptDataset(config.data, self.tokenizer)
-        self.val_dataset = PromptDataset(config.val_data, self.tokenizer) if config.trainer.val_every else None
+        self.val_dataset = (PromptDataset(config.val_data, self.tokenizer, config_key="val_data")
+                            if config.trainer.val_every else None)
         self.sampler = StatefulSampler(len(self.dataset), config.trainer.prompts_per_step, seed=config.trainer.seed)
         self.scorer = RewardScorer(config.reward)
         self.scorer.check_data_sources(self.dataset.data_sources)

