@@ -128,6 +128,14 @@ def post_sync_check(
     worst = 0.0
     for prompt, engine_lp, trainer_lp in zip(prompts, engine_logprobs, trainer_logprobs):
         response_lp = trainer_lp[len(prompt) - 1 :]
+        # NaN compares false with everything, so a blown-up model would pass a plain threshold test.
+        for side, values in (("trainer", response_lp), ("engine", engine_lp)):
+            if not torch.isfinite(values).all():
+                raise WeightSyncError(
+                    f"post-sync check failed: the {side}'s log-probs on the probe prompts are not finite "
+                    "(inf or nan): the trained weights blew up (a learning rate too high, or a skipped "
+                    "non-finite step followed by more); resume from an earlier checkpoint with a lower lr"
+                )
         worst = max(worst, (response_lp - engine_lp).abs().max().item())
     if worst > atol:
         raise WeightSyncError(

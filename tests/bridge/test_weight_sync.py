@@ -87,13 +87,23 @@ def _sync_and_check(rank, world_size, hf_dir, in_ray_actor):
         post_sync_check([model], spec, engine, PROMPTS)
     except WeightSyncError as error:
         wrong = str(error)
+    with torch.no_grad():  # weights that blew up: NaN log-probs must not pass as "no difference"
+        next(model.parameters()).fill_(float("nan"))
+    blown = None
+    stats_nan = push_weights([model], spec, engine, version=3, bucket_bytes=32 * 1024)
+    try:
+        post_sync_check([model], spec, engine, PROMPTS)
+    except WeightSyncError as error:
+        blown = str(error)
+    assert stats_nan.version == 3
     version = engine.weight_version() if engine is not None else None
     if in_ray_actor and engine is not None:
         import ray
 
         ray.shutdown()
     destroy()
-    return dict(before=before, stale=stale, after=after, wrong=wrong, tensors=stats.tensors, bytes=stats.bytes, version=version)
+    return dict(before=before, stale=stale, after=after, wrong=wrong, blown=blown, tensors=stats.tensors,
+                bytes=stats.bytes, version=version)
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +121,7 @@ def test_synced_engine_serves_the_trained_weights_and_a_wrong_mapping_is_caught(
         assert result["stale"] is not None and "post-sync check failed" in result["stale"]  # training changed the policy
         assert result["after"] <= 1e-4
         assert result["wrong"] is not None and "the engine is not serving the trained weights" in result["wrong"]
-    assert engine_rank["version"] == 2
+        assert result["blown"] is not None and "the trainer's log-probs on the probe prompts are not finite" in result["blown"]
+    assert engine_rank["version"] == 3
     assert engine_rank["tensors"] == 4 * 9 + 3  # all 39 tensors reach the engine's rank...
     assert other_rank["tensors"] == 0  # ...and only that rank
