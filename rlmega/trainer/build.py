@@ -40,8 +40,31 @@ def build_trainer(config: RLConfig) -> Trainer:
 
 
 def run(config: RLConfig) -> int:
-    """``rlmega train``: the whole run; the process exit code."""
-    return build_trainer(config).fit()
+    """``rlmega train``: the whole run; the process exit code. A run that fails before its first step
+    leaves the run directory as it found it (no placement.json, no empty metrics.jsonl)."""
+    run_dir = Path(config.run_dir)
+    before = set(run_dir.iterdir()) if run_dir.is_dir() else None
+    trainer = None
+    try:
+        trainer = build_trainer(config)
+        return trainer.fit()
+    except BaseException:
+        if trainer is None or trainer.steps_done == 0:
+            _remove_what_was_written(run_dir, before)
+        raise
+
+
+def _remove_what_was_written(run_dir: Path, before) -> None:
+    import shutil
+
+    if before is None:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return
+    for entry in set(run_dir.iterdir()) - before if run_dir.is_dir() else ():
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 def run_sft(config: RLConfig) -> int:

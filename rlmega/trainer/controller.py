@@ -39,6 +39,8 @@ class Trainer:
         self.actor, self.reference, self.critic = actor, reference, critic
         self.run_dir = Path(config.run_dir)
         self.preempted = False
+        self.steps_done = 0
+        """RL steps this process has completed (a run that fails before the first leaves nothing behind)."""
         self.start_step = self._resume()
         self.total_steps = prompts.total_steps
         self.tracker = MetricsTracker(self.run_dir, config=config.metrics, total_steps=self.total_steps,
@@ -59,6 +61,7 @@ class Trainer:
                 self.validate(0)
             for step in range(self.start_step + 1, self.total_steps + 1):
                 self.tracker.log(step, self.train_step(step))
+                self.steps_done += 1
                 last = step == self.total_steps
                 if trainer.val_every and (step % trainer.val_every == 0 or last):
                     self.validate(step)

@@ -222,3 +222,13 @@ def test_the_quickstart_starts_from_a_verl_config(tmp_path, assets):
                              timeout=120)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1
     assert "actor_rollout_ref.model.lora_rank" in refused.stderr
+
+
+def test_a_run_that_fails_to_start_leaves_the_run_directory_as_it_was(tmp_path, assets):
+    run_dir = tmp_path / "run"
+    # The untrained model answers nothing right, so dynamic sampling finds no group to train on in
+    # step 1: the run fails after its parts started and its metrics file opened.
+    result = _train(run_dir, assets, "trainer.total_steps=1", "layout.tp=1", "layout.world_size=1",
+                    "trainer.sft_steps=0", "algorithm.dynamic_sampling=true", "algorithm.max_generation_rounds=1")
+    assert result.returncode != 0 and "nothing to train on" in result.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == ["assets"]  # no placement.json, no metrics.jsonl
