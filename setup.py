@@ -26,6 +26,9 @@ EXTRAS_REQUIRE = {
     "vllm": ["vllm>=0.11,<0.12"],
     "sglang": ["sglang>=0.5.3,<0.6"],
     "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "hypothesis>=6.100,<7"],
+    # benchmarks/peer_trl.py: TRL's GRPOTrainer on the same job. TRL's requirements that rlmega does not
+    # already have (tested with accelerate 1.15.0, datasets 5.2.0, pandas 3.1.1); none replaces torch.
+    "bench": ["trl==1.16.0", "accelerate>=1.10.1,<2", "datasets>=4.7,<6", "pandas>=2.1.1,<4"],
 }
 
 setup(

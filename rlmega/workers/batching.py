@@ -47,14 +47,15 @@ class SequenceBatch:
                     f"sequence {index}: need 1-D tokens with a prompt of 1..{tokens.numel() - 1} tokens and at least "
                     f"one response token, got shape {list(tokens.shape)} and prompt length {prompt}"
                 )
+        response_lengths = self.response_lengths
         for name, values in self.fields.items():
             if len(values) != len(self.tokens):
                 raise ValueError(f"field {name!r} has {len(values)} entries for {len(self.tokens)} sequences")
             for index, value in enumerate(values):
-                if value.shape != (self.response_lengths[index],):
+                if value.shape != (response_lengths[index],):
                     raise ValueError(
                         f"field {name!r} of sequence {index} has shape {list(value.shape)}, "
-                        f"expected [{self.response_lengths[index]}] (one value per response token)"
+                        f"expected [{response_lengths[index]}] (one value per response token)"
                     )
 
     def __len__(self) -> int:

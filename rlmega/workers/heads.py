@@ -88,8 +88,7 @@ def _field(batch: SequenceBatch, name: str, micro_batch: MicroBatch, device) -> 
 
 
 def _mask(batch: SequenceBatch, micro_batch: MicroBatch, device) -> torch.Tensor:
-    lengths = [batch.response_lengths[i] for i in micro_batch.indices]
-    _, mask = padded_field([torch.ones(n) for n in lengths])
+    _, mask = padded_field([torch.ones(n) for n in micro_batch.response_lengths])
     if "response_mask" in batch.fields:
         mask &= _field(batch, "response_mask", micro_batch, "cpu").bool()
     return mask.to(device)
