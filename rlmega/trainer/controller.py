@@ -98,9 +98,11 @@ class Trainer:
         if self.critic is not None:
             with self._timed(metrics, "values"):
                 values = self.critic.compute_values(batch)
-        fields = {}
+        # The loss mask of the rollouts (overlong filtering) holds on every path; the correction may narrow it.
+        fields = {} if rollouts.response_mask is None else {"response_mask": rollouts.response_mask}
         if not fused:
-            fields, correction_metrics = self._corrected_fields(rollouts, old_logp)
+            correction_fields, correction_metrics = self._corrected_fields(rollouts, old_logp)
+            fields.update(correction_fields)
             metrics.update(correction_metrics)
         advantages, returns, advantage_metrics = compute_advantages(
             config.algorithm, rollouts.scores, batch.response_lengths, rollouts.group_ids,

@@ -97,6 +97,10 @@ def test_one_step_batches_take_the_old_logprobs_from_the_update(tmp_path, assets
     assert all("old_logp" not in update.fields for update in actor.updates)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(row["mismatch/abs_log_prob_diff_max"] == 0.0 and "timing_s/old_log_prob" not in row for row in rows)
+    filtered, parts = _trainer(tmp_path / "filtered", assets, "algo=grpo", "algorithm.filter_truncated=true")
+    filtered.fit()
+    assert parts["actor"].logprob_batches == []  # still fused, and the overlong filter's mask still reaches the loss
+    assert all("response_mask" in update.fields for update in parts["actor"].updates)
     for index, needs_the_pass in enumerate(("actor.ppo_mini_batches=2", "algorithm.rollout_correction.rollout_is=token",
                                             "algorithm.kl_in_reward_coef=0.1")):
         separate, parts = _trainer(tmp_path / f"separate{index}", assets, "algo=grpo", needs_the_pass)
