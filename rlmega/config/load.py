@@ -144,6 +144,12 @@ def validate(config: RLConfig) -> None:
         rollout.engine_arguments()
     except ValueError as error:
         raise ConfigError(str(error)) from error
+    _require(rollout.mode == "sync" or rollout.placement == "disaggregated", "rollout.mode",
+             f"{rollout.mode} overlaps generation with training, so the engines need resources of their own: "
+             "set rollout.placement=disaggregated")
+    _require(rollout.max_staleness >= 0, "rollout.max_staleness", "must be >= 0")
+    _require(rollout.mode != "async" or config.algorithm.adv_estimator != "remax", "rollout.mode",
+             "async cannot give remax the greedy baseline of the same weights; use sync or one_step_off")
     trainer = config.trainer
     _require(trainer.total_epochs is None or trainer.total_epochs >= 1, "trainer.total_epochs", "must be >= 1 or null")
     _require(trainer.max_checkpoints_to_keep is None or trainer.max_checkpoints_to_keep >= 1,

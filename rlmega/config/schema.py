@@ -69,6 +69,23 @@ class RolloutConfig:
     max_new_tokens: int = 256
     val_temperature: float = 0.0
     """0: greedy validation."""
+    mode: str = choice("sync", "one_step_off", "async")
+    """sync: generate, train, sync the weights, in turn. one_step_off: the engines generate the next step's
+    responses while the workers train this one, from the weights this step trains from (exactly one
+    version stale). async: the engines generate continuously into a buffer of whole groups and the trainer
+    takes a batch when it has enough (``max_staleness``). Both overlapping modes need disaggregated engines;
+    see rlmega/trainer/README.md (Asynchronous rollout)."""
+    max_staleness: int = 1
+    """async: a group is trained on only if the oldest weight version among its tokens is at most this
+    many versions behind the policy being updated; the engines are also given no more prompts than that
+    bound lets them finish in time (0: on-policy, but still overlapped with the weight sync)."""
+    stale_groups: str = choice("regenerate", "drop")
+    """async: what happens to a group found staler than ``max_staleness``: generated again with the
+    current weights (its prompt is not lost), or dropped (counted either way)."""
+    partial_rollout: str = choice("continue", "restart")
+    """async: responses in flight when new weights arrive are interrupted; ``continue`` carries on with the
+    new weights from where they stopped (each token records the version that produced it), ``restart``
+    throws the partial response away and generates it again."""
 
     def engine_arguments(self) -> dict:
         """The backend's constructor arguments: the engine-level fields above under the backend's own

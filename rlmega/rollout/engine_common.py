@@ -1,6 +1,7 @@
 """What the vLLM and SGLang adapters share: request checks, per-sample seeds, the checkpoint's weight
-names, the version / sleep bookkeeping that makes an engine refuse to generate from mixed weights, and
-``EngineAdapter``, the protocol's logic around a handful of engine calls.
+names, the version / sleep bookkeeping that makes an engine refuse to generate from mixed weights, the
+engine lock and the answer of a paused engine, and ``EngineAdapter``, the protocol's logic around a handful
+of engine calls.
 
 Nothing here imports vLLM or SGLang; the adapters keep every engine call in their own module. ``HFEngine``
 uses the request checks and the bookkeeping too, so all three engines follow the same rules and messages.
@@ -9,7 +10,9 @@ uses the request checks and the bookkeeping too, so all three engines follow the
 from __future__ import annotations
 
 import difflib
+import functools
 import json
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -127,11 +130,12 @@ def sample_seed(seed: int | None, prompt_index: int, sample_index: int) -> int |
 
 
 def finish_response(tokens: list[int], logprobs: list[float], stop_token_ids: Iterable[int],
-                    max_new_tokens: int) -> tuple[list[int], list[float], FinishReason]:
+                    max_new_tokens: int, aborted: bool = False) -> tuple[list[int], list[float], FinishReason]:
     """Cut a response after its first stop token, and name why it ended.
 
     Both engines test the length limit before the stop tokens, so a stop token drawn as the last allowed
-    token is reported as "length" by them; the protocol calls it "stop".
+    token is reported as "length" by them; the protocol calls it "stop". An ``aborted`` response is
+    "abort" unless it is complete anyway (SGLang tests the abort before the stop and length rules).
     """
     if len(tokens) != len(logprobs):
         raise RuntimeError(f"the engine returned {len(tokens)} tokens but {len(logprobs)} log-probs")
@@ -139,10 +143,35 @@ def finish_response(tokens: list[int], logprobs: list[float], stop_token_ids: It
     for position, token in enumerate(tokens):
         if token in stops:
             return tokens[:position + 1], logprobs[:position + 1], "stop"
-    if len(tokens) != max_new_tokens:
-        raise RuntimeError(f"the engine ended a response after {len(tokens)} of {max_new_tokens} tokens "
-                           f"without a stop token (aborted?)")
-    return tokens, logprobs, "length"
+    if len(tokens) == max_new_tokens:
+        return tokens, logprobs, "length"
+    if aborted:
+        return tokens, logprobs, "abort"
+    raise RuntimeError(f"the engine ended a response after {len(tokens)} of {max_new_tokens} tokens "
+                       f"without a stop token")
+
+
+# ---------------------------------------------------------------------------------------------- pause, lock
+
+def paused_generations(per_prompt: list[SamplingParams], version: int) -> list[Generation]:
+    """What ``generate`` returns while paused: every response, prompt-major, "abort" and empty."""
+    return [Generation(prompt_index=i, response_token_ids=[], logprobs=[], finish_reason="abort",
+                       weight_version=version) for i, _ in sample_requests(per_prompt)]
+
+
+def serialised(method):
+    """Run an engine method holding ``self._lock`` (a ``threading.RLock``).
+
+    A threaded Ray actor calls the engine from several threads, so that ``pause_generation`` reaches a
+    running ``generate``. Everything that runs the model or touches the weights (generate, the update
+    steps, sleep, wake) takes the lock, one at a time; ``pause_generation``, ``resume_generation``,
+    ``weight_version`` and ``health`` do not, so they answer while a call runs.
+    """
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 # ---------------------------------------------------------------------------------------------- weights
@@ -292,6 +321,8 @@ class EngineAdapter(ABC):
     engine request each (see ``sample_requests``); buckets of about ``bucket_bytes`` are sent with one
     engine call each. ``sleep`` frees the weights and the KV cache; writing weights wakes the weights alone
     (memory must be mapped to be written), and ``wake()`` brings back the rest, weights before KV cache.
+    Engine calls are serialised (``serialised``); ``pause_generation`` asks the engine to interrupt a running
+    call through ``_engine_interrupt``, which each adapter implements as far as its engine allows.
     """
 
     engine_name: str  # health()["engine"]
@@ -305,13 +336,21 @@ class EngineAdapter(ABC):
         self._book = WeightBook(self.weights.shapes)
         self._asleep_tags: set[str] = set()  # of "weights", "kv_cache"
         self._group_name = DEFAULT_GROUP_NAME
+        self._lock = threading.RLock()
+        self._paused = threading.Event()
 
     # ------------------------------------------------------------------ engine calls
 
     @abstractmethod
     def _engine_generate(self, prompts: list[list[int]], params: list[SamplingParams],
-                         seeds: list[int | None]) -> list[tuple[list[int], list[float]]]:
-        """One request per prompt, with its params and seed: ``(tokens, log-probs)`` of each, in order."""
+                         seeds: list[int | None]) -> list[tuple[list[int], list[float], bool]]:
+        """One request per prompt, with its params and seed: ``(tokens, log-probs, aborted)`` of each, in
+        order; ``aborted`` when ``_engine_interrupt`` cut the request short."""
+
+    @abstractmethod
+    def _engine_interrupt(self, paused: threading.Event) -> None:
+        """Called from any thread by ``pause_generation`` (``paused`` is set): make a running
+        ``_engine_generate`` return soon, its unfinished requests aborted."""
 
     @abstractmethod
     def _engine_load(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
@@ -347,32 +386,53 @@ class EngineAdapter(ABC):
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | Sequence[SamplingParams]) -> list[Generation]:
         """See ``RolloutEngine.generate``. One engine request per response (see ``sample_requests``)."""
-        self._book.check_ready()
-        per_prompt = check_requests(prompts, params, self.facts.vocab_size, self.facts.max_positions)
-        requests = sample_requests(per_prompt)
-        if not requests:
-            return []
-        responses = self._engine_generate([prompts[i] for i, _ in requests], [per_prompt[i] for i, _ in requests],
-                                          [sample_seed(per_prompt[i].seed, i, j) for i, j in requests])
-        generations = []
-        for (i, _), (tokens, logprobs) in zip(requests, responses):
-            p = per_prompt[i]
-            tokens, logprobs, reason = finish_response(tokens, logprobs, p.stop_token_ids, p.max_new_tokens)
-            generations.append(Generation(prompt_index=i, response_token_ids=tokens, logprobs=logprobs,
-                                          finish_reason=reason, weight_version=self._book.version))
-        return generations
+        if self._paused.is_set():  # at once, even while an update holds the lock
+            return paused_generations(check_requests(prompts, params, self.facts.vocab_size,
+                                                     self.facts.max_positions), self._book.version)
+        with self._lock:
+            self._book.check_ready()
+            per_prompt = check_requests(prompts, params, self.facts.vocab_size, self.facts.max_positions)
+            if self._paused.is_set():  # paused while this call waited for the lock
+                return paused_generations(per_prompt, self._book.version)
+            requests = sample_requests(per_prompt)
+            if not requests:
+                return []
+            responses = self._engine_generate([prompts[i] for i, _ in requests],
+                                              [per_prompt[i] for i, _ in requests],
+                                              [sample_seed(per_prompt[i].seed, i, j) for i, j in requests])
+            generations = []
+            for (i, _), (tokens, logprobs, aborted) in zip(requests, responses):
+                p = per_prompt[i]
+                tokens, logprobs, reason = finish_response(tokens, logprobs, p.stop_token_ids, p.max_new_tokens,
+                                                           aborted)
+                generations.append(Generation(prompt_index=i, response_token_ids=tokens, logprobs=logprobs,
+                                              finish_reason=reason, weight_version=self._book.version))
+            return generations
+
+    def pause_generation(self) -> None:
+        """See ``RolloutEngine.pause_generation``; how far a running call is interrupted depends on the
+        engine (``_engine_interrupt``)."""
+        if not self._paused.is_set():
+            self._paused.set()
+            self._engine_interrupt(self._paused)
+
+    def resume_generation(self) -> None:
+        self._paused.clear()
 
     # ------------------------------------------------------------------ weights, colocated
 
+    @serialised
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """See ``RolloutEngine.update_weights``: checked, bucketed, loaded by every worker."""
         self.begin_update(version)
         self.write_weights(named_tensors)
         self.commit_update()
 
+    @serialised
     def begin_update(self, version: int) -> None:
         self._book.begin(version)
 
+    @serialised
     def write_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         for bucket, slots in checked_buckets(named_tensors, self.weights, self.bucket_bytes):
             self._wake_weights()
@@ -380,6 +440,7 @@ class EngineAdapter(ABC):
             self._engine_load(bucket)
             self._book.sent(slots)
 
+    @serialised
     def commit_update(self) -> None:
         self._book.commit()
         if "kv_cache" not in self._asleep_tags:
@@ -387,6 +448,7 @@ class EngineAdapter(ABC):
 
     # ------------------------------------------------------------------ weights, disaggregated
 
+    @serialised
     def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                  group_name: str = DEFAULT_GROUP_NAME, backend: str = "nccl") -> None:
         """Join every worker to the trainer's weight group (worker ``w`` as rank ``rank_offset + w``).
@@ -394,9 +456,11 @@ class EngineAdapter(ABC):
         self._engine_join_group(master_address, master_port, rank_offset, world_size, group_name, backend)
         self._group_name = group_name
 
+    @serialised
     def destroy_weight_update_group(self) -> None:
         self._engine_leave_group(self._group_name)
 
+    @serialised
     def receive_weights(self, metas: Sequence[WeightMeta]) -> None:
         """Receive one bucket that the trainer rank broadcasts (``weight_group.broadcast_weights``), between
         ``begin_update`` and ``commit_update``. ``metas`` are ``weight_group.weight_meta(bucket)``."""
@@ -414,6 +478,7 @@ class EngineAdapter(ABC):
 
     # ------------------------------------------------------------------ memory
 
+    @serialised
     def sleep(self, level: int = 1) -> None:
         """Free the weights and the KV cache. Level 2 requires every weight to be re-sent. Deeper while
         asleep only deepens the bookkeeping (the engines cannot re-sleep)."""
@@ -424,6 +489,7 @@ class EngineAdapter(ABC):
             self._asleep_tags = {"weights", "kv_cache"}
         self._book.slept(level)
 
+    @serialised
     def wake(self) -> None:
         """Bring back whatever is still asleep, weights first."""
         if self._asleep_tags:
@@ -441,6 +507,7 @@ class EngineAdapter(ABC):
         return {
             **self._book.health(),
             "asleep": sorted(self._asleep_tags),
+            "paused": self._paused.is_set(),
             "engine": self.engine_name,
             "engine_version": self._engine_version,
             "model_type": self.weights.model_type,

@@ -10,12 +10,13 @@ from __future__ import annotations
 import gc
 import inspect
 import os
+import threading
 from collections.abc import Iterable, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from rlmega.rollout.engine_common import WeightBook, check_requests
+from rlmega.rollout.engine_common import WeightBook, check_requests, paused_generations, serialised
 from rlmega.rollout.hf_weights import HFWeightMap, WeightTarget
 from rlmega.rollout.protocol import Generation, SamplingParams
 from rlmega.rollout.sampling import RowSampling, request_generator, select_next_tokens
@@ -39,7 +40,9 @@ class HFEngine:
 
     ``model`` is a checkpoint directory (loaded with ``attn_implementation`` if given) or a loaded
     model, which the engine then owns: it is moved to ``device``/``dtype`` and its weights are
-    overwritten by ``update_weights``.
+    overwritten by ``update_weights``. Safe to call from several threads: generation and weight changes
+    run one at a time (``serialised``), and ``pause_generation`` stops a running ``generate`` between
+    two decoding steps.
     """
 
     def __init__(self, model: str | os.PathLike | PreTrainedModel, dtype: torch.dtype = torch.float32,
@@ -63,6 +66,8 @@ class HFEngine:
         # on-disk names not re-sent since sleep(level=2).
         self._book = WeightBook(self._weights.slots)
         self._dropped: set[str] = set()  # tensors whose storage sleep(level=2) freed
+        self._lock = threading.RLock()
+        self._paused = threading.Event()  # checked between decoding steps
         # Gaussian noise of this std is added to every weight loaded: an engine that deliberately serves
         # slightly different weights than the trainer's, to study the train-inference mismatch on CPU.
         self._noise_std = weight_noise_std
@@ -73,10 +78,19 @@ class HFEngine:
 
     # ------------------------------------------------------------------ generation
 
-    @torch.inference_mode()
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | Sequence[SamplingParams]) -> list[Generation]:
-        """See ``RolloutEngine.generate``. All responses are decoded together, one token per step."""
+        """See ``RolloutEngine.generate``. All responses are decoded together, one token per step; a pause
+        takes effect before the next step."""
+        if self._paused.is_set():  # at once, even while an update holds the lock
+            return paused_generations(check_requests(prompts, params, self.vocab_size, self.max_positions),
+                                      self._book.version)
+        with self._lock:
+            return self._generate(prompts, params)
+
+    @torch.inference_mode()
+    def _generate(self, prompts: list[list[int]],
+                  params: SamplingParams | Sequence[SamplingParams]) -> list[Generation]:
         self._book.check_ready()
         per_prompt = check_requests(prompts, params, self.vocab_size, self.max_positions)
         requests = [(i, j) for i, p in enumerate(per_prompt) for j in range(p.n)]
@@ -95,6 +109,9 @@ class HFEngine:
         finish: list[str | None] = [None] * len(requests)
         stop_sets = [set(p.stop_token_ids) for p in row_params]
         for _ in range(max(p.max_new_tokens for p in row_params)):
+            if self._paused.is_set():
+                finish = [reason or "abort" for reason in finish]
+                break
             logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                 use_cache=True, logits_to_keep=1, **{self._cache_arg: cache}).logits[:, -1]
             tokens, token_logprobs = select_next_tokens(logits, rows)
@@ -118,6 +135,7 @@ class HFEngine:
 
     # ------------------------------------------------------------------ weights
 
+    @serialised
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """See ``RolloutEngine.update_weights``. Tensors are copied in as they arrive, cast to the engine's
         dtype; nothing of the stream is held beyond the tensor being copied."""
@@ -127,9 +145,11 @@ class HFEngine:
 
     # The three steps of an update, callable one by one so a remote trainer can stream buckets.
 
+    @serialised
     def begin_update(self, version: int) -> None:
         self._book.begin(version)
 
+    @serialised
     def write_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self._book.pending is None:
             raise RuntimeError("write_weights called outside an update; call begin_update(version) first")
@@ -141,6 +161,7 @@ class HFEngine:
             self._book.sending()
             self._write(target, tensor)
 
+    @serialised
     def commit_update(self) -> None:
         self._book.commit()
 
@@ -163,8 +184,16 @@ class HFEngine:
     def weight_version(self) -> int:
         return self._book.version
 
+    def pause_generation(self) -> None:
+        """See ``RolloutEngine.pause_generation``: a running ``generate`` stops before its next step."""
+        self._paused.set()
+
+    def resume_generation(self) -> None:
+        self._paused.clear()
+
     # ------------------------------------------------------------------ memory
 
+    @serialised
     def sleep(self, level: int = 1) -> None:
         """Level 1: weights move to host memory (on a CPU engine they already are, so nothing is freed)
         and are kept. Level 2: every weight's storage is freed; each must be re-sent with
@@ -188,6 +217,7 @@ class HFEngine:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
+    @serialised
     def wake(self) -> None:
         """Bring kept (and re-synced) weights back to the device. Weights still dropped stay missing,
         and ``generate`` refuses until they are re-sent."""
@@ -198,6 +228,7 @@ class HFEngine:
     def health(self) -> dict:
         return {
             **self._book.health(),
+            "paused": self._paused.is_set(),
             "resident_weight_bytes": sum(t.numel() * t.element_size() for t in self._weights.tensors.values()),
             "model_type": self._weights.model_type,
             "device": str(self.device),

@@ -14,7 +14,9 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
-FinishReason = Literal["stop", "length"]
+# "stop": ended with a stop token (kept); "length": reached max_new_tokens; "abort": interrupted by
+# ``pause_generation()`` and holding the tokens generated so far (possibly none).
+FinishReason = Literal["stop", "length", "abort"]
 
 
 class EngineNotReadyError(RuntimeError):
@@ -93,7 +95,7 @@ class Generation:
     prompt_index: int  # index into the ``prompts`` list given to ``generate``
     response_token_ids: list[int]
     logprobs: list[float]  # one per response token
-    finish_reason: FinishReason  # "stop": ended with a stop token (kept); "length": hit max_new_tokens
+    finish_reason: FinishReason  # "stop" (stop token kept), "length" (max_new_tokens) or "abort" (paused)
     weight_version: int  # the engine's weight version when this response was generated
 
 
@@ -137,6 +139,24 @@ class RolloutEngine(Protocol):
         """Undo ``sleep``: weights kept by level 1 come back to the device."""
         ...
 
+    def pause_generation(self) -> None:
+        """Interrupt generation, for a weight update in the middle of asynchronous rollouts. Returns at once,
+        from any thread, and is idempotent.
+
+        Every running ``generate`` call returns at its next decoding step: its unfinished responses have
+        ``finish_reason == "abort"`` and hold the tokens and log-probs generated so far (possibly none);
+        responses that had finished keep "stop" / "length". Every ``generate`` call made while paused returns
+        at once with all responses "abort" and empty. A call never spans a weight update, so
+        ``weight_version`` is the version the call ran with; to continue a response, the caller resubmits
+        prompt + partial response after ``resume_generation()``.
+        """
+        ...
+
+    def resume_generation(self) -> None:
+        """Undo ``pause_generation``: later ``generate`` calls run normally. Idempotent."""
+        ...
+
     def health(self) -> dict:
-        """A JSON-serialisable status report; ``health()["ready"]`` says whether ``generate`` will run."""
+        """A JSON-serialisable status report; ``health()["ready"]`` says whether ``generate`` will run,
+        ``health()["paused"]`` whether ``pause_generation`` is in effect."""
         ...

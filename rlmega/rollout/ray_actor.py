@@ -16,10 +16,16 @@ from ray.actor import ActorHandle
 from rlmega.rollout.hf_engine import HFEngine
 from rlmega.rollout.protocol import Generation, SamplingParams
 
+# Engine actors are threaded, so that pause_generation (and weight_version, health) reach the actor while a
+# generate runs; the engines serialise their own model and weight work. Enough threads for a running
+# generate, a waiting update and the calls that answer at once.
+ENGINE_ACTOR_CONCURRENCY = 4
+
 
 def start_engine_actor(model, *, num_cpus: float = 1, num_gpus: float = 0, **engine_kwargs) -> ActorHandle:
-    """Start ``HFEngine(model, **engine_kwargs)`` in a new actor of the running Ray cluster."""
-    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(HFEngine).remote(model, **engine_kwargs)
+    """Start ``HFEngine(model, **engine_kwargs)`` in a new threaded actor of the running Ray cluster."""
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=ENGINE_ACTOR_CONCURRENCY)(
+        HFEngine).remote(model, **engine_kwargs)
 
 
 def _node_id(_actor) -> str:
@@ -73,6 +79,13 @@ class RemoteEngine:
 
     def weight_version(self) -> int:
         return ray.get(self.actor.weight_version.remote())
+
+    def pause_generation(self) -> None:
+        """Reaches a running ``generate`` because the actor is threaded (``ENGINE_ACTOR_CONCURRENCY``)."""
+        ray.get(self.actor.pause_generation.remote())
+
+    def resume_generation(self) -> None:
+        ray.get(self.actor.resume_generation.remote())
 
     def sleep(self, level: int = 1) -> None:
         ray.get(self.actor.sleep.remote(level))

@@ -9,13 +9,19 @@ Two ways to get new weights in:
   ``begin_update`` / ``receive_weights(metas)`` / ``commit_update`` while the trainer rank broadcasts each
   bucket with ``rlmega.rollout.weight_group.broadcast_weights``.
 
+``pause_generation`` aborts the requests of a running ``generate`` in SGLang's scheduler
+(``TokenizerManager.abort_request(abort_all=True)``); they come back with the tokens generated so far.
+
 Every call into SGLang is in the "SGLang 0.5.3 API" section below; README.md says what was checked where.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -31,12 +37,39 @@ SUPPORTED_VERSIONS = ((0, 5, 3), (0, 6))  # setup.py's `sglang` extra: sglang>=0
 # update_weights_from_tensor, init_weights_update_group, update_weights_from_distributed, flush_cache,
 # release_memory_occupation, resume_memory_occupation, shutdown), sglang/srt/sampling/sampling_params.py,
 # sglang/srt/layers/sampler.py (which log-probs are returned), sglang/srt/managers/schedule_batch.py
-# (Req.check_finished), sglang/srt/managers/tokenizer_manager.py (output dicts), sglang/srt/server_args.py.
+# (Req.check_finished), sglang/srt/managers/tokenizer_manager.py (output dicts, auto_create_handle_loop,
+# abort_request, _handle_abort_req), sglang/srt/managers/scheduler.py (Scheduler.abort_request),
+# sglang/srt/server_args.py.
 
 # sglang/srt/layers/sampler.py reads it when the scheduler processes import it: with it, the returned
 # log-probs are log(softmax(raw logits)); without it, log(softmax(logits / temperature)) (greedy requests
 # run at temperature 1 with top_k=1, so theirs are the raw logits'), which is what the trainer scores.
 RAW_LOGPROB_ENV = "RETURN_ORIGINAL_LOGPROB"
+
+
+ABORT_REPEAT_S = 0.05  # while paused, the abort is repeated this often (see _abort_while_paused)
+
+
+class _EngineLoop:
+    """The one thread, and its event loop, that every call into the ``Engine`` runs on.
+
+    Each ``Engine`` method runs ``asyncio.get_event_loop().run_until_complete(...)``, and the
+    ``TokenizerManager`` binds to the loop of its first request (``auto_create_handle_loop``). A threaded
+    Ray actor calls from a pool of threads, which have no event loop, so the calls are handed to this thread.
+    The ``Engine`` itself is built by the caller: it installs signal handlers, which only the main thread
+    may do.
+    """
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()  # a uvloop loop, as SGLang's own: its engine module sets the policy
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-engine",
+                                          initializer=asyncio.set_event_loop, initargs=(self.loop,))
+
+    def run(self, function, *args):
+        return self._thread.submit(function, *args).result()
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False)
 
 
 def _import_sglang():
@@ -80,19 +113,37 @@ def _sampling_params(params: SamplingParams, seed: int | None, ignore_eos: bool)
     return sampling
 
 
-def _generate(engine, prompts: list[list[int]], sampling: list[dict]) -> list[tuple[list[int], list[float]]]:
+def _generate(engine, prompts: list[list[int]], sampling: list[dict]) -> list[tuple[list[int], list[float], bool]]:
     outputs = engine.generate(input_ids=prompts, sampling_params=sampling, return_logprob=True,
                               logprob_start_len=-1)  # -1: no prompt log-probs
     responses = []
     for output in outputs:
         meta = output["meta_info"]
-        if meta["finish_reason"]["type"] not in ("stop", "length"):
+        reason = meta["finish_reason"]["type"]
+        if reason not in ("stop", "length", "abort"):
             raise RuntimeError(f"SGLang ended request {meta.get('id')} with {meta['finish_reason']}")
-        tokens = list(output["output_ids"])
+        # An aborted request that was still queued comes back without output_ids (_handle_abort_req).
+        tokens = list(output.get("output_ids", []))
         # (logprob, token id, text or None) per generated token
-        logprobs = [logprob for logprob, _, _ in meta["output_token_logprobs"]]
-        responses.append((tokens, logprobs))
+        logprobs = [logprob for logprob, _, _ in meta.get("output_token_logprobs", [])]
+        responses.append((tokens, logprobs, reason == "abort"))
     return responses
+
+
+def _abort_while_paused(engine, loop: asyncio.AbstractEventLoop, paused: threading.Event) -> None:
+    """On the engine's loop: abort every request in the scheduler, and again every ``ABORT_REPEAT_S`` while
+    paused. The scheduler aborts what it holds (``Scheduler.abort_request``): queued requests come back
+    empty, running ones after one more decoding step, with their tokens. A request sent after an abort (a
+    call that passed the pause check just before the pause) is caught by the next one. Once resumed the
+    repeats stop; while no call runs the loop they wait, and the first call after resume ends them."""
+    if paused.is_set():
+        engine.tokenizer_manager.abort_request(abort_all=True)
+        loop.call_later(ABORT_REPEAT_S, _abort_while_paused, engine, loop, paused)
+
+
+def _interrupt(engine, loop: asyncio.AbstractEventLoop, paused: threading.Event) -> None:
+    """From any thread: the abort runs on the loop that the running call drives (thread-safe hand-over)."""
+    loop.call_soon_threadsafe(_abort_while_paused, engine, loop, paused)
 
 
 def _checked(result, what: str) -> None:
@@ -147,7 +198,8 @@ class SGLangEngine(EngineAdapter):
     ``mem_fraction_static``, ``dtype``, ...). Two of them matter to the protocol:
     ``enable_weights_cpu_backup=True`` is required for ``sleep(level=1)``, and seeded sampling is
     reproducible only with ``enable_deterministic_inference=True`` (SGLang ignores per-request seeds
-    otherwise).
+    otherwise). Every engine call runs on one thread that owns the engine's event loop (``_EngineLoop``), so
+    the adapter may be called from any thread.
     """
 
     engine_name = "sglang"
@@ -158,6 +210,7 @@ class SGLangEngine(EngineAdapter):
         super().__init__(model, bucket_bytes=bucket_bytes, engine_version=self._sglang.__version__)
         self.keeps_weights_asleep = bool(server_kwargs.get("enable_weights_cpu_backup", False))
         self.engine = _new_engine(self._sglang, str(self.model_path), server_kwargs)
+        self._loop = _EngineLoop()
 
     def sleep(self, level: int = 1) -> None:
         """Level 1 needs the engine built with ``enable_weights_cpu_backup=True`` (the weights come back on
@@ -170,11 +223,12 @@ class SGLangEngine(EngineAdapter):
     def shutdown(self) -> None:
         """Stop SGLang's scheduler and detokenizer processes."""
         self.engine.shutdown()
+        self._loop.close()
 
     # ------------------------------------------------------------------ engine calls: the SGLang 0.5.3 API above
 
     def _engine_generate(self, prompts: list[list[int]], params: list[SamplingParams],
-                         seeds: list[int | None]) -> list[tuple[list[int], list[float]]]:
+                         seeds: list[int | None]) -> list[tuple[list[int], list[float], bool]]:
         """SGLang always stops at the checkpoint's EOS ids unless ``ignore_eos``, which also disables
         ``stop_token_ids``. A request whose stop ids cover every EOS id runs as is; any other runs with
         ``ignore_eos`` to ``max_new_tokens`` and is cut after its first stop token by ``finish_response``:
@@ -182,28 +236,32 @@ class SGLangEngine(EngineAdapter):
         """
         sampling = [_sampling_params(p, seed, ignore_eos=not self.facts.eos_token_ids <= set(p.stop_token_ids))
                     for p, seed in zip(params, seeds)]
-        return _generate(self.engine, prompts, sampling)
+        return self._loop.run(_generate, self.engine, prompts, sampling)
+
+    def _engine_interrupt(self, paused: threading.Event) -> None:
+        _interrupt(self.engine, self._loop.loop, paused)
 
     def _engine_load(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        _update_from_tensor(self.engine, bucket)
+        self._loop.run(_update_from_tensor, self.engine, bucket)
 
     def _engine_join_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                            group_name: str, backend: str) -> None:
         """SGLang's ``init_weights_update_group``: TP rank ``r`` joins as ``rank_offset + r``."""
-        _init_group(self.engine, master_address, master_port, rank_offset, world_size, group_name, backend)
+        self._loop.run(_init_group, self.engine, master_address, master_port, rank_offset, world_size, group_name,
+                       backend)
 
     def _engine_receive(self, metas: list[WeightMeta], group_name: str) -> None:
-        _update_from_distributed(self.engine, metas, group_name)
+        self._loop.run(_update_from_distributed, self.engine, metas, group_name)
 
     def _engine_leave_group(self, group_name: str) -> None:
-        _destroy_group(self.engine, group_name)
+        self._loop.run(_destroy_group, self.engine, group_name)
 
     def _engine_drop_prefix_cache(self) -> None:
-        _flush_cache(self.engine)
+        self._loop.run(_flush_cache, self.engine)
 
     def _engine_sleep(self, level: int) -> None:
         """``release_memory_occupation`` of both; the weights survive only in the CPU backup, if enabled."""
-        _release(self.engine, ["kv_cache", "weights"])
+        self._loop.run(_release, self.engine, ["kv_cache", "weights"])
 
     def _engine_wake(self, tags: list[str]) -> None:
-        _resume(self.engine, tags)
+        self._loop.run(_resume, self.engine, tags)

@@ -10,12 +10,16 @@ Two ways to get new weights in:
   trainer rank (``rlmega.rollout.weight_group``), then ``begin_update`` / ``receive_weights(metas)`` /
   ``commit_update`` receive buckets that the trainer rank broadcasts with ``broadcast_weights``.
 
+``pause_generation`` cannot interrupt a running ``generate`` in vLLM 0.11 (see ``_engine_interrupt``): the
+running call completes, and calls made while paused return "abort" at once without reaching vLLM.
+
 Every call into vLLM is in the "vLLM 0.11 API" section below; README.md says what was checked where.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
@@ -77,7 +81,7 @@ def _vllm_sampling_params(vllm, params: SamplingParams, seed: int | None):
     )
 
 
-def _vllm_generate(llm, prompts: list[list[int]], sampling_params: list) -> list[tuple[list[int], list[float]]]:
+def _vllm_generate(llm, prompts: list[list[int]], sampling_params: list) -> list[tuple[list[int], list[float], bool]]:
     outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], sampling_params, use_tqdm=False)
     responses = []
     for output in outputs:
@@ -87,7 +91,7 @@ def _vllm_generate(llm, prompts: list[list[int]], sampling_params: list) -> list
                                f"{completion.finish_reason!r}")
         tokens = list(completion.token_ids)
         # logprobs[t] is {token id: Logprob} holding at least the sampled token.
-        responses.append((tokens, [step[token].logprob for step, token in zip(completion.logprobs, tokens)]))
+        responses.append((tokens, [step[token].logprob for step, token in zip(completion.logprobs, tokens)], False))
     return responses
 
 
@@ -174,9 +178,22 @@ class VLLMEngine(EngineAdapter):
     # ------------------------------------------------------------------ engine calls: the vLLM 0.11 API above
 
     def _engine_generate(self, prompts: list[list[int]], params: list[SamplingParams],
-                         seeds: list[int | None]) -> list[tuple[list[int], list[float]]]:
+                         seeds: list[int | None]) -> list[tuple[list[int], list[float], bool]]:
         return _vllm_generate(self.llm, prompts, [_vllm_sampling_params(self._vllm, p, seed)
                                                   for p, seed in zip(params, seeds)])
+
+    def _engine_interrupt(self, paused: threading.Event) -> None:
+        """Nothing: vLLM 0.11's offline engine cannot be interrupted from another thread, so a running
+        ``generate`` completes ("stop" / "length") and only later calls see the pause.
+
+        ``LLM.generate`` steps the engine in the caller's thread until every request is done
+        (``LLM._run_engine`` in vllm/entrypoints/llm.py). Its one abort, ``LLMEngine.abort_request``
+        (vllm/v1/engine/llm_engine.py), is not safe from another thread: it mutates the ``OutputProcessor``
+        and, in process, the scheduler (``InprocClient.abort_requests`` -> ``EngineCore.abort_requests``)
+        while ``step()`` uses them, without a lock; and it discards the partial response, since
+        ``OutputProcessor.abort_requests`` emits a final output only into an ``AsyncLLM`` request's queue.
+        Interrupting with the partial response kept needs vLLM's ``AsyncLLM`` (vllm/v1/engine/async_llm.py:
+        ``generate`` streaming outputs, ``abort(request_id)``)."""
 
     def _engine_load(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         _load_weights(self.llm, bucket)

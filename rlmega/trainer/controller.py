@@ -1,6 +1,7 @@
 """The RL loop. One step, as data (see ``Trainer.train_step``):
 
-    prompts -> engines generate n responses each -> rewards -> old / ref log-probs, values
+    prompts -> engines generate n responses each (``rollout.mode``: before, or while the previous step
+    trains) -> rewards -> old / ref log-probs, values
     -> rollout correction -> advantages -> critic and actor updates -> weight sync (versioned, checked)
     -> metrics
 
@@ -24,7 +25,9 @@ from rlmega.config.schema import RLConfig
 from rlmega.trainer.advantages import compute_advantages
 from rlmega.trainer.metrics import MetricsTracker
 from rlmega.trainer.prompts import PromptSource, Rollouts
+from rlmega.trainer.metric_backends import StepRows
 from rlmega.trainer.roles import Actor, Critic, Engines, Reference, TrainingJob
+from rlmega.trainer.schedules import RolloutSchedule, rollout_schedule
 from rlmega.workers.batching import padded_field
 
 PREEMPTED_EXIT_CODE = 143
@@ -41,10 +44,15 @@ class Trainer:
         self.preempted = False
         self.steps_done = 0
         """RL steps this process has completed (a run that fails before the first leaves nothing behind)."""
+        self.schedule: RolloutSchedule = rollout_schedule(config, prompts, engines)
         self.start_step = self._resume()
+        self.version = self.start_step
+        """The weight version the engines serve (the policy the next update starts from)."""
         self.total_steps = prompts.total_steps
         self.tracker = MetricsTracker(self.run_dir, config=config.metrics, total_steps=self.total_steps,
                                       run_config=_plain(config), resume_step=self.start_step)
+        self.trained_prompts = StepRows(self.run_dir / "trained_prompts.jsonl", self.start_step)
+        """One row per step: the dataset indices of the prompts trained on (an audit of the data order)."""
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -57,6 +65,7 @@ class Trainer:
             if self.start_step == 0 and trainer.sft_steps:
                 self.warm_start()
             self.sync(version=self.start_step)
+            self.schedule.resume(self.start_step)
             if trainer.val_every and trainer.val_before_train and self.start_step == 0:
                 self.validate(0)
             for step in range(self.start_step + 1, self.total_steps + 1):
@@ -82,7 +91,9 @@ class Trainer:
         config, metrics = self.config, {}
         started = time.perf_counter()
         with self._timed(metrics, "gen"), self._rollout_phase():
-            rollouts = self.prompts.rollouts(self.engines, step)
+            rollouts = self.schedule.take(step)
+        self.trained_prompts.write(step, {"prompts": rollouts.prompt_indices,
+                                          "weight_versions": sorted(set(rollouts.weight_versions))})
         batch = rollouts.batch
         fused = self._fuses_old_logprob(step)
         old_logp = entropy = None
@@ -125,13 +136,20 @@ class Trainer:
         elif step > config.trainer.critic_warmup:  # PPO's critic warm-up: the actor waits for a trained critic
             with self._timed(metrics, "update_actor"):
                 metrics.update(self.actor.update(batch.with_fields(old_logp=old_logp, advantages=advantages, **fields)))
+        with self._timed(metrics, "wait_rollout"):  # one_step_off / async: the generation running alongside
+            self.schedule.pause()
         with self._timed(metrics, "sync"):
             metrics.update(self.sync(version=step))
+        self.schedule.resume(step)
         metrics.update(rollouts.metrics)
         if entropy is not None:
             metrics["actor/rollout_entropy"] = float(torch.cat(entropy).mean())
         metrics["timing_s/step"] = time.perf_counter() - started
         metrics["perf/throughput"] = sum(batch.lengths) / metrics["timing_s/step"]
+        metrics["batch/response_tokens"] = float(sum(batch.response_lengths))
+        if config.rollout.mode != "sync":  # the time the trainer waited for rollouts
+            waited = metrics["timing_s/gen"] + metrics["timing_s/wait_rollout"]
+            metrics["async/trainer_idle_fraction"] = waited / metrics["timing_s/step"]
         return metrics
 
     def _fuses_old_logprob(self, step: int) -> bool:
@@ -185,11 +203,14 @@ class Trainer:
         versions = self.engines.versions()
         if any(found != version for found in versions):
             raise RuntimeError(f"after syncing version {version} the engines serve versions {versions}")
+        self.version = version
         return metrics
 
     def validate(self, step: int) -> None:
+        self.schedule.pause()  # asynchronous modes: no training rollout shares the engines meanwhile
         with self._rollout_phase():
             metrics, samples = self.prompts.validate(self.engines)
+        self.schedule.resume(self.version)
         self.tracker.log_validation(step, metrics)
         if samples:
             self.tracker.log_generations(step, samples)
@@ -210,12 +231,12 @@ class Trainer:
         if found is None:
             return 0
         extra = self.job.load(str(found.parent.parent), int(found.name.split("_")[1]))
-        self.prompts.load_state_dict(extra)
+        self.schedule.load_state_dict(extra)
         print(f"resumed from {found} (step {extra['step']})", flush=True)
         return int(extra["step"])
 
     def save(self, step: int) -> None:
-        self.job.save(str(self.run_dir / "checkpoints"), {**self.prompts.state_dict(), "step": step},
+        self.job.save(str(self.run_dir / "checkpoints"), {**self.schedule.state_dict(), "step": step},
                       keep=self.config.trainer.max_checkpoints_to_keep)
 
     def _on_sigterm(self, signum, frame) -> None:
@@ -229,7 +250,9 @@ class Trainer:
         metrics[f"timing_s/{name}"] = time.perf_counter() - started
 
     def close(self) -> None:
+        self.schedule.close()
         self.tracker.close()
+        self.trained_prompts.close()
         for part in (self.engines, self.job):
             part.shutdown()
         self.prompts.close()

@@ -263,14 +263,15 @@ class JsonlBackend:
     def __init__(self, path: Path, resume_step: Optional[int]):
         self.path = path
         self._resume_step = resume_step
-        self.kept_rows, self._file = self._open(path)
+        self.kept_rows, self._file = self._open_rows(path, resume_step)
         self._generations = None  # generations.jsonl beside it, opened by the first samples
 
-    def _open(self, path: Path):
+    @classmethod
+    def _open_rows(cls, path: Path, resume_step: Optional[int]):
         """(rows kept, the file open for appending) under the resume rule above."""
         kept: list[dict] = []
-        if self._resume_step is not None and path.exists():
-            kept = self._rows_up_to(path, self._resume_step)
+        if resume_step is not None and path.exists():
+            kept = cls._rows_up_to(path, resume_step)
             tmp = path.with_name(path.name + ".tmp")
             with open(tmp, "w", encoding="utf-8") as f:
                 f.writelines(json.dumps(row, allow_nan=False) + "\n" for row in kept)
@@ -302,7 +303,7 @@ class JsonlBackend:
     def log_generations(self, step: int, samples: list[dict]) -> None:
         """One row per sample in ``generations.jsonl`` (same resume rule as the metrics)."""
         if self._generations is None:
-            self._generations = self._open(self.path.with_name(GENERATIONS_NAME))[1]
+            self._generations = self._open_rows(self.path.with_name(GENERATIONS_NAME), self._resume_step)[1]
         for sample in samples:
             row = {"step": step, **{key: sample[key] for key in GENERATION_COLUMNS}}
             self._generations.write(json.dumps(row, allow_nan=False, default=str) + "\n")
@@ -312,6 +313,20 @@ class JsonlBackend:
         self._file.close()
         if self._generations is not None:
             self._generations.close()
+
+
+class StepRows:
+    """A jsonl file of one ``{"step": k, ...}`` row per step, under ``JsonlBackend``'s resume rule."""
+
+    def __init__(self, path: Path, resume_step: Optional[int]):
+        self._file = JsonlBackend._open_rows(path, resume_step)[1]
+
+    def write(self, step: int, row: dict) -> None:
+        self._file.write(json.dumps({"step": step, **row}, allow_nan=False) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
 
 
 class TensorBoardBackend:

@@ -16,6 +16,7 @@ import torch
 
 from rlmega import algos
 from rlmega.config.schema import RLConfig
+from rlmega.data.schema import PromptRecord
 from rlmega.rollout.protocol import Generation, SamplingParams
 from rlmega.trainer.metrics import batch_metrics
 from rlmega.workers.batching import SequenceBatch
@@ -39,12 +40,31 @@ class Rollouts:
     rollout_logp: list[torch.Tensor]
     """``[R_i]`` the engine's log-prob of every response token, under the sampled distribution."""
     weight_versions: list[int]
-    """The weight version each response was generated with."""
+    """The oldest weight version among each response's tokens."""
+    token_versions: list[torch.Tensor]
+    """``[R_i]`` the weight version that produced every response token (one value per response unless an
+    asynchronous run continued it with newer weights)."""
+    prompt_indices: list[int]
+    """The dataset index of every group's prompt."""
     response_mask: Optional[list[torch.Tensor]]
     """Per-token loss mask when overlong filtering zeroes some responses; None when all tokens count."""
     baseline_scores: Optional[torch.Tensor]
     """``[B]`` the score of the greedy response to the same prompt (ReMax), else None."""
     metrics: dict[str, float]
+
+
+@dataclasses.dataclass
+class Group:
+    """The n scored responses to one prompt."""
+
+    record: PromptRecord
+    generations: list[Generation]
+    scores: torch.Tensor
+    """``[n]`` after reward shaping."""
+    baseline: float = 0.0
+    """ReMax: the greedy response's score."""
+    token_versions: Optional[list[torch.Tensor]] = None
+    """Per response, the weight version of every token, when it is not one version per response."""
 
 
 def _seed(base: int, step: int, round_index: int) -> int:
@@ -97,7 +117,7 @@ class PromptSource:
         dynamic sampling may take several rounds), or the round limit is reached."""
         config, algorithm = self.config, self.config.algorithm
         wanted = config.trainer.prompts_per_step
-        kept: list[tuple] = []  # (record, generations, scores, baseline score) per kept group
+        kept: list[Group] = []
         rounds = algorithm.max_generation_rounds if algorithm.dynamic_sampling else 1
         all_scores, all_generations, reward_metrics, dropped = [], [], {}, 0
         for round_index in range(rounds):
@@ -106,19 +126,14 @@ class PromptSource:
             seed = _seed(config.trainer.seed, step, round_index)
             generations = engines.generate(prompts, self.sampling_params(
                 temperature=config.rollout.temperature, n=config.rollout.n, seed=seed))
-            scores, reward_metrics = self.score(records, generations)
-            all_scores.append(scores.clone())
+            raw_scores, reward_metrics = self.score(records, generations)
+            all_scores.append(raw_scores)
             all_generations.extend(generations)
+            scores = self.shape_scores(raw_scores, generations)
             baselines = torch.zeros(len(records))
             if self.needs_greedy_baseline:
                 greedy = engines.generate(prompts, self.sampling_params(temperature=0.0, n=1, seed=None))
                 baselines = self.score(records, greedy)[0]
-            if algorithm.overlong_buffer_length:
-                lengths = torch.tensor([len(g.response_token_ids) for g in generations])
-                scores = scores + algos.overlong_reward_penalty(
-                    lengths, max_response_length=config.rollout.max_new_tokens,
-                    overlong_buffer_length=algorithm.overlong_buffer_length,
-                    penalty_factor=algorithm.overlong_penalty_factor)
             group_ids = [g.prompt_index for g in generations]
             keep = range(len(records))
             if algorithm.dynamic_sampling:
@@ -127,8 +142,8 @@ class PromptSource:
                 dropped += result.num_dropped_groups
             for prompt_index in keep:
                 members = [i for i, g in enumerate(group_ids) if g == prompt_index]
-                kept.append((records[prompt_index], [generations[i] for i in members], scores[members],
-                             float(baselines[prompt_index])))
+                kept.append(Group(records[prompt_index], [generations[i] for i in members], scores[members],
+                                  float(baselines[prompt_index])))
             if len(kept) >= wanted:
                 break
         kept = kept[:wanted]
@@ -137,30 +152,53 @@ class PromptSource:
                 f"step {step}: every prompt group had equal scores in {rounds} generation rounds, nothing to train on; "
                 "raise algorithm.max_generation_rounds or rollout.n, or turn off algorithm.dynamic_sampling"
             )
-        metrics = batch_metrics(torch.cat(all_scores), [len(g.response_token_ids) for g in all_generations],
-                                truncated=[g.finish_reason == "length" for g in all_generations])
+        metrics = self.generation_metrics(torch.cat(all_scores), all_generations, reward_metrics)
         metrics.update({"batch/generation_rounds": float(round_index + 1), "batch/dropped_groups": float(dropped)})
-        metrics.update({name if "/" in name else f"reward/{name}": value for name, value in reward_metrics.items()})
-        return self._assemble(kept, metrics)
+        return self.assemble(kept, metrics)
 
-    def _assemble(self, kept: list[tuple], metrics: dict[str, float]) -> Rollouts:
+    def shape_scores(self, scores: torch.Tensor, generations: list[Generation]) -> torch.Tensor:
+        """Scores after DAPO's overlong shaping (when configured)."""
         algorithm = self.config.algorithm
-        tokens, prompts, scores, group_ids, masks, logps, versions, baselines = [], [], [], [], [], [], [], []
-        for group, (record, generations, group_scores, baseline) in enumerate(kept):
-            for generation, score in zip(generations, group_scores):
-                tokens.append(torch.tensor(record.prompt_token_ids + generation.response_token_ids))
-                prompts.append(len(record.prompt_token_ids))
+        if not algorithm.overlong_buffer_length:
+            return scores.clone()
+        lengths = torch.tensor([len(g.response_token_ids) for g in generations])
+        return scores + algos.overlong_reward_penalty(
+            lengths, max_response_length=self.config.rollout.max_new_tokens,
+            overlong_buffer_length=algorithm.overlong_buffer_length, penalty_factor=algorithm.overlong_penalty_factor)
+
+    @staticmethod
+    def generation_metrics(scores: torch.Tensor, generations: list[Generation],
+                           reward_metrics: dict[str, float]) -> dict[str, float]:
+        """Scores and lengths of everything generated for a step (kept or not), and the scorer's metrics."""
+        metrics = batch_metrics(scores, [len(g.response_token_ids) for g in generations],
+                                truncated=[g.finish_reason == "length" for g in generations])
+        metrics.update({name if "/" in name else f"reward/{name}": value for name, value in reward_metrics.items()})
+        return metrics
+
+    def assemble(self, kept: list[Group], metrics: dict[str, float]) -> Rollouts:
+        """The trainer's batch from whole groups, in order."""
+        algorithm = self.config.algorithm
+        tokens, prompts, scores, group_ids, masks, logps, versions, token_versions, baselines = ([] for _ in range(9))
+        for group_index, group in enumerate(kept):
+            for sample, (generation, score) in enumerate(zip(group.generations, group.scores)):
+                tokens.append(torch.tensor(group.record.prompt_token_ids + generation.response_token_ids))
+                prompts.append(len(group.record.prompt_token_ids))
                 scores.append(float(score))
-                group_ids.append(group)
+                group_ids.append(group_index)
                 logps.append(torch.tensor(generation.logprobs, dtype=torch.float32))
-                versions.append(generation.weight_version)
-                baselines.append(baseline)
+                length = len(generation.response_token_ids)
+                produced_by = (torch.full((length,), generation.weight_version, dtype=torch.long)
+                               if group.token_versions is None else group.token_versions[sample])
+                token_versions.append(produced_by)
+                versions.append(int(produced_by.min()) if length else generation.weight_version)
+                baselines.append(group.baseline)
                 truncated = algorithm.filter_truncated and generation.finish_reason == "length"
-                masks.append(torch.full((len(generation.response_token_ids),), 0.0 if truncated else 1.0))
+                masks.append(torch.full((length,), 0.0 if truncated else 1.0))
         metrics["batch/num_sequences"] = float(len(tokens))
         return Rollouts(
             batch=SequenceBatch(tokens, prompts, temperature=self.config.rollout.temperature),
             scores=torch.tensor(scores), group_ids=group_ids, rollout_logp=logps, weight_versions=versions,
+            token_versions=token_versions, prompt_indices=[group.record.index for group in kept],
             response_mask=masks if algorithm.filter_truncated else None,
             baseline_scores=torch.tensor(baselines) if self.needs_greedy_baseline else None, metrics=metrics,
         )

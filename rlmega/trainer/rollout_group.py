@@ -7,11 +7,14 @@ engine's constructor under the backend's names (``RolloutConfig.engine_arguments
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from rlmega.config.schema import RLConfig
 from rlmega.rollout.protocol import Generation, SamplingParams
 from rlmega.trainer.remote import WorkerFailure, wait_all
+
+if TYPE_CHECKING:
+    import ray
 
 
 def _engine_node(_actor) -> tuple[str, str]:
@@ -27,7 +30,7 @@ class RolloutGroup:
     def __init__(self, config: RLConfig, scheduling):
         import ray
 
-        from rlmega.rollout.ray_actor import RemoteEngine
+        from rlmega.rollout.ray_actor import ENGINE_ACTOR_CONCURRENCY, RemoteEngine
 
         self.config = config
         self.timeout_s = config.cluster.timeout_s
@@ -36,6 +39,7 @@ class RolloutGroup:
         self.actors = [
             ray.remote(engine_class).options(
                 num_cpus=config.rollout.cpus_per_engine, num_gpus=config.rollout.gpus_per_engine,
+                max_concurrency=ENGINE_ACTOR_CONCURRENCY,  # threaded: a pause reaches a running generate
                 scheduling_strategy=scheduling(index),
                 runtime_env={"env_vars": {"OMP_NUM_THREADS": threads}},
             ).remote(config.model.path, **arguments)
@@ -64,6 +68,27 @@ class RolloutGroup:
                 generation.prompt_index += start
                 merged.append(generation)
         return merged
+
+    @property
+    def num_engines(self) -> int:
+        return len(self.actors)
+
+    def submit(self, engine_index: int, prompts: list[list[int]],
+               params: SamplingParams | list[SamplingParams]) -> ray.ObjectRef:
+        """Start ``generate(prompts, params)`` on one engine and return at once: a ``ray.ObjectRef`` to its
+        ``list[Generation]`` (``prompt_index`` into ``prompts``). Seeds are used as given."""
+        return self.actors[engine_index].generate.remote(prompts, params)
+
+    def pause_generation(self) -> None:
+        """Every engine interrupts its running ``generate`` calls (their unfinished responses come back
+        "abort"; vLLM 0.11 lets a running call finish) and answers new ones at once with empty aborts,
+        until ``resume_generation``. See ``RolloutEngine.pause_generation``."""
+        wait_all([actor.pause_generation.remote() for actor in self.actors], self.names, self.timeout_s,
+                 "pause_generation")
+
+    def resume_generation(self) -> None:
+        wait_all([actor.resume_generation.remote() for actor in self.actors], self.names, self.timeout_s,
+                 "resume_generation")
 
     def versions(self) -> list[int]:
         return wait_all([actor.weight_version.remote() for actor in self.actors], self.names, self.timeout_s, "weight_version")

@@ -1,21 +1,12 @@
 """An HFEngine in a Ray actor answers like the in-process engine."""
 
 import pytest
-import ray
 import torch
 
 from rlmega.rollout import HFEngine, RolloutEngine, SamplingParams
 from rlmega.rollout.ray_actor import RemoteEngine, start_engine_actor
 
 from .tiny_models import PROMPTS, checkpoint_tensors
-
-
-@pytest.fixture
-def local_ray():
-    ray.init(address="local", num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1",
-             object_store_memory=100 * 1024**2, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.mark.timeout(120)

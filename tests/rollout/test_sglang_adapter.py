@@ -3,8 +3,13 @@ RolloutEngine contract, and the SGLang calls the adapter makes. tests/gpu/test_s
 real engine."""
 
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
+
+from rlmega.rollout import SamplingParams
 
 from .fakes import contract, fake_sglang, one_thread
 from .tiny_models import PROMPTS, checkpoint_tensors
@@ -114,6 +119,62 @@ def test_broadcast_update(make_engine, llama_dir, llama_other_dir):
     group_name = init[5]
     assert init[3:] == (1, 2, group_name, "gloo") and len(received) == 3
     assert all(call[4:] == (group_name, False) for call in received)
+
+
+def test_calls_while_paused_abort_without_reaching_sglang(make_engine, llama_dir):
+    engine = make_engine(llama_dir)
+    contract.check_paused_calls(engine, lambda: _calls(engine, "generate"))
+
+
+def _wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + contract.WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.001)
+
+
+def test_pause_aborts_the_running_requests(make_engine, llama_dir):
+    """Called from another thread (as in a threaded Ray actor): the running request ends after one more
+    token with what it generated, a prefix of the uninterrupted seeded response; queued ones come back empty."""
+    engine = make_engine(llama_dir)
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, seed=5)
+    expected = engine.generate(PROMPTS, params)
+    hold_step, forwards, tokenizer_manager = 3, [], engine.engine.tokenizer_manager
+
+    def hold_until_aborted(*_):  # the fake's scheduler decodes one request at a time
+        forwards.append(1)
+        if len(forwards) == hold_step:
+            _wait_for(lambda: tokenizer_manager.aborts, "no abort reached the scheduler")
+
+    hook = engine.engine.model.model.register_forward_hook(hold_until_aborted)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        running = pool.submit(engine.generate, PROMPTS, params)
+        _wait_for(lambda: len(forwards) >= hold_step, "generate did not start")
+        engine.pause_generation()
+        interrupted = running.result(contract.WAIT_S)
+    hook.remove()
+    first, *queued = interrupted
+    assert first.finish_reason == "abort" and first.weight_version == 0
+    assert first.response_token_ids == expected[0].response_token_ids[:hold_step]
+    torch.testing.assert_close(first.logprobs, expected[0].logprobs[:hold_step], rtol=0, atol=0)
+    assert [(g.prompt_index, g.response_token_ids, g.finish_reason) for g in queued] == \
+           [(i, [], "abort") for i in range(1, len(PROMPTS))]
+    engine.resume_generation()
+    contract.assert_same_generations(engine.generate(PROMPTS, params), expected)
+
+
+def test_the_abort_repeats_for_a_call_that_passed_the_pause_check(make_engine, llama_dir):
+    """A call that passed the pause check just before the pause may send its requests after the first
+    abort: the abort repeats while paused and catches them."""
+    engine = make_engine(llama_dir)
+    tokenizer_manager = engine.engine.tokenizer_manager
+    hook = engine.engine.model.model.register_forward_hook(
+        lambda *_: _wait_for(lambda: tokenizer_manager.aborts >= 2, "the abort was not repeated"))
+    engine.pause_generation()  # no call runs: the abort waits for the engine's loop to run
+    responses = engine._engine_generate(PROMPTS, [SamplingParams(max_new_tokens=40)] * len(PROMPTS),
+                                        [None] * len(PROMPTS))  # the engine call of a generate past the check
+    hook.remove()
+    assert [(len(tokens), aborted) for tokens, _, aborted in responses] == [(1, True)] + [(0, True)] * 3
 
 
 def test_version_gate(sglang, monkeypatch, llama_dir):

@@ -4,6 +4,8 @@ real engine."""
 
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -107,6 +109,33 @@ def test_broadcast_update(make_engine, llama_dir, llama_other_dir):
     contract.check_broadcast_update(engine, llama_other_dir)
     assert [c[1] for c in _weight_calls(engine)] == (["rlmega_init_weight_group"] + ["rlmega_receive_weights"] * 3
                                                       + ["rlmega_destroy_weight_group"])
+
+
+def test_calls_while_paused_abort_without_reaching_vllm(make_engine, llama_dir):
+    engine = make_engine(llama_dir)
+    contract.check_paused_calls(engine, lambda: [c for c in engine.llm.calls if c[0] == "generate"])
+
+
+def test_pause_does_not_interrupt_a_running_call(make_engine, llama_dir, monkeypatch):
+    """vLLM 0.11's offline LLM.generate cannot be interrupted: a running call completes ("length")."""
+    engine = make_engine(llama_dir)
+    in_call, release = threading.Event(), threading.Event()
+    generate = engine.llm.generate
+
+    def held(*args, **kwargs):
+        in_call.set()
+        assert release.wait(contract.WAIT_S)
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(engine.llm, "generate", held)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        running = pool.submit(engine.generate, PROMPTS, contract.GREEDY)
+        assert in_call.wait(contract.WAIT_S)
+        engine.pause_generation()
+        release.set()
+        contract.assert_same_generations(running.result(contract.WAIT_S),
+                                         contract.hf_engine(llama_dir).generate(PROMPTS, contract.GREEDY))
+    assert {g.finish_reason for g in engine.generate(PROMPTS, contract.GREEDY)} == {"abort"}
 
 
 def test_version_gate(vllm, monkeypatch, llama_dir):

@@ -138,3 +138,97 @@ class FakeCritic:
     def update(self, batch) -> dict[str, float]:
         self.updates.append(batch)
         return {"critic/vf_loss": 0.0}
+
+
+class FakeAsyncEngines(FakeEngines):
+    """``FakeEngines`` with the asynchronous driver's interface (``submit``, ``pause_generation``,
+    ``resume_generation``): each request runs in a thread, emitting one token at a time. The first token
+    of a call is immediate; every later one waits ``tick_s`` on the pause event, so a pause interrupts the
+    call after its first token (the unfinished responses come back as "abort"). A token's log-prob is
+    ``ROLLOUT_LOGP - 0.1 * version``: the behaviour log-probs tell which weights produced each token."""
+
+    def __init__(self, tokenizer, stop_token_id: int, *, num_engines: int = 1, tick_s: float = 0.5):
+        super().__init__(tokenizer, stop_token_id)
+        import threading
+
+        self.num_engines, self.tick_s = num_engines, tick_s
+        self._paused = threading.Event()
+        self.mid_call = threading.Event()  # set once a running call has emitted its first tokens
+        self.in_flight = 0
+        self.aborted = 0
+        self._count_lock = threading.Lock()
+
+    def submit(self, engine: int, prompts: list[list[int]], params: list[SamplingParams]):
+        import threading
+        from concurrent.futures import Future
+
+        assert 0 <= engine < self.num_engines
+        future: Future = Future()
+        with self._count_lock:
+            self.in_flight += 1
+        version = self.version
+
+        def run():
+            try:
+                future.set_result(self._run(prompts, params, version))
+            except BaseException as error:  # noqa: BLE001 - surfaces in the driver
+                future.set_exception(error)
+            finally:
+                with self._count_lock:
+                    self.in_flight -= 1
+                    if not self.in_flight:
+                        self.mid_call.clear()
+
+        threading.Thread(target=run, daemon=True).start()
+        return future
+
+    def _run(self, prompts, params, version) -> list[Generation]:
+        targets = []
+        for prompt in prompts:
+            a, b = re.findall(r"(\d+)\+(\d+)=", self.tokenizer.decode(prompt))[-1]
+            text = self.tokenizer.decode(prompt, skip_special_tokens=True).rsplit("=", 1)[1]  # answered before
+            answer = self.tokenizer.encode(str(int(a) + int(b)), add_special_tokens=False) + [self.stop_token_id]
+            done = len(self.tokenizer.encode(text, add_special_tokens=False)) if text else 0
+            targets.append(answer[done:])
+        emitted = [[] for _ in prompts]
+        finish = [None] * len(prompts)
+        first = True
+        while any(reason is None for reason in finish):
+            if not first and self._paused.wait(self.tick_s):
+                break
+            if self._paused.is_set():
+                break
+            for row, target in enumerate(targets):
+                if finish[row] is None:
+                    emitted[row].append(target[len(emitted[row])])
+                    if len(emitted[row]) == len(target):
+                        finish[row] = "stop"
+                    elif len(emitted[row]) == params[row].max_new_tokens:
+                        finish[row] = "length"
+            first = False
+            self.mid_call.set()
+        self.aborted += sum(reason is None for reason in finish)
+        return [Generation(prompt_index=row, response_token_ids=tokens,
+                           logprobs=[ROLLOUT_LOGP - 0.1 * version] * len(tokens),
+                           finish_reason=finish[row] or "abort", weight_version=version)
+                for row, tokens in enumerate(emitted)]
+
+    def pause_generation(self) -> None:
+        self._paused.set()
+
+    def resume_generation(self) -> None:
+        self._paused.clear()
+
+
+class MidGenerationActor(FakeActor):
+    """A ``FakeActor`` whose update lasts until the engines are in the middle of a call (when one is in
+    flight), so the weight sync after it interrupts responses."""
+
+    def __init__(self, engines: FakeAsyncEngines):
+        super().__init__()
+        self.engines = engines
+
+    def update(self, batch) -> dict[str, float]:
+        if self.engines.in_flight:
+            assert self.engines.mid_call.wait(timeout=60), "the engines never started generating"
+        return super().update(batch)

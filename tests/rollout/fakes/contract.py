@@ -184,6 +184,28 @@ def check_sleep_level_2(engine, llama_dir: Path, *, wake_first: bool) -> None:
     assert_same_generations(engine.generate(PROMPTS, GREEDY), before)
 
 
+WAIT_S = 60.0  # waits on another thread: generous, since one that ends early passes
+
+
+def check_paused_calls(engine, engine_generate_calls) -> None:
+    """While paused, generate answers at once, every response "abort" and empty, without reaching the
+    engine; pause and resume are idempotent; resumed, the same call repeats."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, n=2, seed=4)
+    before = engine.generate(PROMPTS, params)
+    calls = len(engine_generate_calls())
+    engine.pause_generation()
+    engine.pause_generation()
+    assert engine.health()["paused"]
+    paused = engine.generate(PROMPTS, params)
+    assert [(g.prompt_index, g.response_token_ids, g.logprobs, g.finish_reason, g.weight_version) for g in paused] \
+        == [(g.prompt_index, [], [], "abort", 0) for g in before]
+    assert len(engine_generate_calls()) == calls
+    engine.resume_generation()
+    engine.resume_generation()
+    assert not engine.health()["paused"]
+    assert_same_generations(engine.generate(PROMPTS, params), before)
+
+
 SENDER = """
 import os
 import sys

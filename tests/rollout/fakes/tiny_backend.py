@@ -1,12 +1,14 @@
 """What both fakes compute with: a transformers model that decodes one request at a time on CPU.
 
 It reproduces the engine behaviour the adapters depend on, which each fake configures: which tokens
-stop a request, that the length limit is tested before the stop tokens, and which distribution the
-returned log-probs are taken from. Greedy picks the argmax (lowest id on ties), like both engines.
+stop a request, that the length limit is tested before the stop tokens (and an abort before both), and
+which distribution the returned log-probs are taken from. Greedy picks the argmax (lowest id on ties),
+like both engines.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,11 +42,13 @@ class TinyCausalLM:
 
     @torch.no_grad()
     def decode(self, prompt: list[int], *, max_tokens: int, stop_ids: set[int], temperature: float, top_k: int,
-               top_p: float, seed: int | None, logprobs_of: str) -> tuple[list[int], list[float], str]:
+               top_p: float, seed: int | None, logprobs_of: str,
+               aborted: Callable[[], bool] = lambda: False) -> tuple[list[int], list[float], str]:
         """Sample one response. ``top_k <= 0`` disables top-k. ``logprobs_of``: which distribution the
         log-probs are taken from: ``raw`` logits, ``scaled`` by the temperature (SGLang's default when
         sampling), or ``processed``: scaled, then top-k / top-p masked and renormalised (vLLM's
-        ``processed_logprobs``)."""
+        ``processed_logprobs``). ``aborted()`` is asked after each token, before the length and stop rules
+        (SGLang's Req.check_finished: an aborted running request ends after one more decoding step)."""
         generator = torch.Generator()
         if seed is None:
             generator.seed()
@@ -72,6 +76,8 @@ class TinyCausalLM:
                     source = torch.where(kept > 0, scaled, torch.full_like(scaled, float("-inf")))
             tokens.append(token)
             logprobs.append(float(torch.log_softmax(source, dim=-1)[token]))
+            if aborted():
+                return tokens, logprobs, "abort"
             if len(tokens) >= max_tokens:  # both engines test the length limit first
                 return tokens, logprobs, "length"
             if token in stop_ids:

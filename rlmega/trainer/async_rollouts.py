@@ -1,0 +1,413 @@
+"""Fully asynchronous rollout (``rollout.mode=async``): the engines never wait for the trainer.
+
+A producer thread on the controller keeps every engine busy with the prompt stream, one request at a
+time per engine, and collects whole groups (all n responses of a prompt, scored) into a buffer; the
+trainer takes ``prompts_per_step`` groups as soon as the buffer has them. Around a weight sync the
+producer is paused: in-flight requests are interrupted (``pause_generation``), the partial responses
+are kept, and after the sync they are continued with the new weights (``rollout.partial_rollout``),
+so every token records the weight version that produced it.
+
+Staleness, with ``s = rollout.max_staleness`` and ``v`` the version being updated from:
+- admission (AReaL's rule): no more than ``(v + s + 1) * prompts_per_step`` groups are handed to the
+  engines (minus the dropped), so in the steady state a group is at most ``s`` versions old when taken;
+- the hard bound, checked when the trainer takes a batch: a group whose oldest token is more than
+  ``s`` versions behind ``v`` is generated again or dropped (``rollout.stale_groups``), and counted.
+
+Prompts are numbered in the order drawn; the checkpoint records which were consumed (trained on, or
+dropped by dynamic sampling or staleness), so a resumed run generates the others again: none is lost,
+none trained twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from concurrent import futures
+from typing import Optional
+
+import torch
+
+from rlmega import algos
+from rlmega.config.schema import RLConfig
+from rlmega.data.schema import PromptRecord
+from rlmega.rollout.protocol import Generation, SamplingParams
+from rlmega.trainer.prompts import Group, PromptSource, Rollouts
+
+_POLL_S = 0.05
+
+
+@dataclasses.dataclass
+class _Response:
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    finish: Optional[str] = None
+    segments: int = 0  # engine requests it took (more than one when interrupted)
+
+
+@dataclasses.dataclass
+class _Group:
+    draw: int
+    """Position in the prompt stream: ``batch * prompts_per_step + offset``."""
+    record: PromptRecord
+    responses: list[_Response]
+    attempt: int = 0  # generated again after going stale
+
+    def oldest_version(self) -> int:
+        return min(min(r.versions) for r in self.responses if r.versions)
+
+
+@dataclasses.dataclass
+class _Done:
+    group: _Group
+    generations: list[Generation]
+    scores: torch.Tensor
+
+
+class AsyncRollouts:
+    """``RolloutSchedule`` of the asynchronous mode; ``engines`` is a ``RolloutGroup`` (``submit``,
+    ``pause_generation``, ``resume_generation``, ``num_engines``) or a fake with the same methods."""
+
+    def __init__(self, config: RLConfig, prompts: PromptSource, engines):
+        self.config, self.prompts, self.engines = config, prompts, engines
+        self.per_step = config.trainer.prompts_per_step
+        self.staleness = config.rollout.max_staleness
+        self.timeout_s = config.cluster.timeout_s
+        self._lock = threading.Condition()
+        self._version = 0
+        self._paused = True  # until the first resume (after the first weight sync)
+        self._stopping = False
+        self._error: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+        # The prompt stream.
+        self._next_batch = 0
+        self._batch_states: dict[int, dict] = {}  # sampler state before each drawn batch not yet consumed
+        self._drawn: list[tuple[int, int]] = []  # (draw id, dataset index) drawn, not yet admitted
+        self._consumed: set[int] = set()
+        self._trained_groups = 0
+        self._live = 0  # groups handed to the engines and not dropped (trained ones included)
+        # Work.
+        self._pending: list[tuple[_Group, int]] = []  # responses waiting for an engine
+        self._in_flight: dict[futures.Future, tuple[int, list[tuple[_Group, int]], float]] = {}
+        self._buffer: list[_Done] = []
+        self._equal_streak = 0  # groups in a row that dynamic sampling dropped
+        self._window = _Window(engines.num_engines)
+
+    # ---- the trainer's side ------------------------------------------------------------------
+
+    def take(self, step: int) -> Rollouts:
+        """``prompts_per_step`` whole groups within the staleness bound, oldest first; waits for them."""
+        waited_since = time.perf_counter()
+        with self._lock:
+            while True:
+                self._raise_error()
+                usable = self._sort_out_stale()
+                if len(usable) >= self.per_step:
+                    break
+                if self._equal_streak > self.config.algorithm.max_generation_rounds * self.per_step:
+                    raise RuntimeError(
+                        f"step {step}: {self._equal_streak} prompt groups in a row had equal scores, "
+                        "nothing to train on; raise rollout.n or turn off algorithm.dynamic_sampling")
+                if time.perf_counter() - waited_since > self.timeout_s:
+                    raise RuntimeError(f"step {step}: the engines produced {len(usable)} of {self.per_step} groups "
+                                       f"in cluster.timeout_s={self.timeout_s:g} s")
+                self._lock.wait(timeout=1.0)
+            taken = sorted(usable, key=lambda done: done.group.oldest_version())[:self.per_step]
+            occupancy = len(self._buffer) / max(1, (self.staleness + 1) * self.per_step)
+            for done in taken:
+                self._buffer.remove(done)
+                self._consumed.add(done.group.draw)
+            self._trained_groups += len(taken)
+            self._prune()
+            metrics = self._window.metrics(self._version, taken, self._busy_engines())
+            self._lock.notify_all()  # room for more prompts
+        metrics["async/buffer_occupancy"] = occupancy
+        metrics["async/trainer_wait_s"] = time.perf_counter() - waited_since
+        groups = [Group(done.group.record, done.generations, done.scores,
+                        token_versions=[torch.tensor(r.versions, dtype=torch.long) for r in done.group.responses])
+                  for done in taken]
+        return self.prompts.assemble(groups, metrics)
+
+    def pause(self) -> None:
+        """Stop handing out work, interrupt what is in flight and wait until the engines are idle."""
+        if self._thread is None:
+            return
+        with self._lock:
+            self._paused = True
+            self._lock.notify_all()
+        self.engines.pause_generation()
+        try:
+            with self._lock:
+                deadline = time.perf_counter() + self.timeout_s
+                while self._in_flight and self._error is None:
+                    if time.perf_counter() > deadline:
+                        raise RuntimeError(f"interrupted engine requests did not return in {self.timeout_s:g} s")
+                    self._lock.wait(timeout=1.0)
+                self._raise_error()
+        finally:
+            self.engines.resume_generation()  # the producer is paused: nothing new reaches them
+
+    def resume(self, version: int) -> None:
+        """The engines now serve ``version``: continue (or restart) the interrupted responses."""
+        with self._lock:
+            self._version = version
+            self._paused = False
+            self._lock.notify_all()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rlmega-async-rollout", daemon=True)
+            self._thread.start()
+
+    def state_dict(self) -> dict:
+        with self._lock:
+            watermark = self._watermark()
+            return {**self.prompts.state_dict(), "async": {
+                "batch": watermark,
+                "sampler": self._batch_states.get(watermark, self.prompts.sampler.state_dict()),
+                "consumed": sorted(d for d in self._consumed if d >= watermark * self.per_step),
+                "trained_groups": self._trained_groups,
+            }}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = state.get("async")
+        if saved is None:  # a checkpoint of a synchronous run: carry on from its prompt position
+            self.prompts.load_state_dict(state)
+            self._trained_groups = self._live = int(state.get("step", 0)) * self.per_step
+            return
+        self.prompts.sampler.load_state_dict(saved["sampler"])
+        self._next_batch = saved["batch"]
+        self._consumed = set(saved["consumed"])
+        self._trained_groups = self._live = saved["trained_groups"]
+
+    def close(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            try:
+                self.engines.pause_generation()
+            except Exception:  # noqa: BLE001 - closing after an engine failure
+                pass
+            self._thread.join(timeout=60)
+
+    # ---- the producer thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    if self._stopping:
+                        return
+                    if not self._paused:
+                        self._admit()
+                        self._dispatch()
+                    if not self._in_flight:
+                        self._lock.wait(timeout=1.0)  # take, resume and close notify
+                        continue
+                    waiting = dict(self._in_flight)
+                done, _ = futures.wait(list(waiting), timeout=_POLL_S, return_when=futures.FIRST_COMPLETED)
+                for future in done:
+                    try:
+                        generations = future.result()
+                    except Exception as error:
+                        raise RuntimeError(f"rollout engine {waiting[future][0]}: {error}") from error
+                    with self._lock:
+                        self._collect(future, generations)
+                        self._lock.notify_all()
+        except BaseException as error:  # noqa: BLE001 - handed to the trainer's thread
+            with self._lock:
+                self._error = error
+                self._in_flight.clear()
+                self._lock.notify_all()
+
+    def _admit(self) -> None:
+        """New groups while the staleness rule allows (the lock is held)."""
+        limit = (self._version + self.staleness + 1) * self.per_step
+        while self._live < limit:
+            draw, index = self._draw()
+            record = self.prompts.dataset.batch([index])[0]
+            group = _Group(draw, record, [_Response() for _ in range(self.config.rollout.n)])
+            self._pending.extend((group, sample) for sample in range(len(group.responses)))
+            self._live += 1
+
+    def _draw(self) -> tuple[int, int]:
+        while not self._drawn:
+            batch = self._next_batch
+            self._batch_states[batch] = self.prompts.sampler.state_dict()
+            indices = self.prompts.sampler.next_batch()
+            self._drawn = [(batch * self.per_step + offset, index) for offset, index in enumerate(indices)
+                           if batch * self.per_step + offset not in self._consumed]
+            self._next_batch += 1
+        return self._drawn.pop(0)
+
+    def _dispatch(self) -> None:
+        """The pending responses to the idle engines, shared evenly (the lock is held)."""
+        busy = {engine for engine, _, _ in self._in_flight.values()}
+        idle = [engine for engine in range(self.engines.num_engines) if engine not in busy]
+        if not idle or not self._pending:
+            return
+        share = -(-len(self._pending) // len(idle))
+        for engine in idle:
+            work, self._pending = self._pending[:share], self._pending[share:]
+            if not work:
+                break
+            prompts, params = [], []
+            for group, sample in work:
+                response = group.responses[sample]
+                prompts.append(group.record.prompt_token_ids + response.tokens)
+                params.append(self._params(group, sample, response))
+            future = _as_future(self.engines.submit(engine, prompts, params))
+            self._in_flight[future] = (engine, work, time.perf_counter())
+
+    def _params(self, group: _Group, sample: int, response: _Response) -> SamplingParams:
+        base = self.prompts.sampling_params(temperature=self.config.rollout.temperature, n=1, seed=None)
+        seed = (self.config.trainer.seed * 1_000_003 + group.draw * 7_919 + sample * 104_729
+                + (response.segments + 64 * group.attempt) * 15_485_863) % (2**31)
+        return dataclasses.replace(base, max_new_tokens=base.max_new_tokens - len(response.tokens), seed=seed)
+
+    def _collect(self, future: futures.Future, generations: list[Generation]) -> None:
+        """One engine request's answers (the lock is held)."""
+        engine, work, started = self._in_flight.pop(future)
+        self._window.engine_busy(engine, started, time.perf_counter())
+        completed = []
+        for generation in generations:
+            group, sample = work[generation.prompt_index]
+            response = group.responses[sample]
+            response.segments += 1
+            self._window.generated_tokens += len(generation.response_token_ids)
+            if generation.finish_reason == "abort" and self.config.rollout.partial_rollout == "restart":
+                self._window.restarted += 1
+                group.responses[sample] = response = _Response(segments=response.segments)
+            else:
+                response.tokens += generation.response_token_ids
+                response.logprobs += generation.logprobs
+                response.versions += [generation.weight_version] * len(generation.response_token_ids)
+            if generation.finish_reason == "abort":
+                self._window.interrupted += 1
+                self._pending.append((group, sample))
+                continue
+            response.finish = generation.finish_reason
+            if all(r.finish is not None for r in group.responses) and group not in completed:
+                completed.append(group)
+        for group in completed:
+            self._complete(group)
+
+    def _complete(self, group: _Group) -> None:
+        """Score a whole group; keep it, or drop it when dynamic sampling finds its scores all equal."""
+        generations = [Generation(prompt_index=0, response_token_ids=r.tokens, logprobs=r.logprobs,
+                                  finish_reason=r.finish, weight_version=min(r.versions) if r.versions else 0)
+                       for r in group.responses]
+        raw, reward_metrics = self.prompts.score([group.record], generations)
+        scores = self.prompts.shape_scores(raw, generations)
+        self._window.scored(raw, generations, reward_metrics)
+        if self.config.algorithm.dynamic_sampling:
+            kept = algos.dynamic_sampling_filter(torch.zeros(len(generations), dtype=torch.long), scores)
+            if kept.num_dropped_groups:
+                self._window.dropped_groups += 1
+                self._equal_streak += 1
+                self._drop(group)
+                return
+        self._equal_streak = 0
+        self._buffer.append(_Done(group, generations, scores))
+
+    def _sort_out_stale(self) -> list[_Done]:
+        """Groups within the bound; the others regenerated or dropped (the lock is held)."""
+        usable = []
+        for done in list(self._buffer):
+            if self._version - done.group.oldest_version() <= self.staleness:
+                usable.append(done)
+                continue
+            self._buffer.remove(done)
+            if self.config.rollout.stale_groups == "drop":
+                self._window.stale_dropped += 1
+                self._drop(done.group)
+            else:
+                self._window.stale_regenerated += 1
+                group = _Group(done.group.draw, done.group.record, [_Response() for _ in done.group.responses],
+                               attempt=done.group.attempt + 1)
+                self._pending.extend((group, sample) for sample in range(len(group.responses)))
+        return usable
+
+    def _drop(self, group: _Group) -> None:
+        self._consumed.add(group.draw)
+        self._live -= 1
+
+    def _watermark(self) -> int:
+        """The first drawn batch with a prompt not yet consumed."""
+        batch = min(self._batch_states, default=self._next_batch)
+        while batch < self._next_batch and all(batch * self.per_step + offset in self._consumed
+                                               for offset in range(self.per_step)):
+            batch += 1
+        return batch
+
+    def _prune(self) -> None:
+        watermark = self._watermark()
+        for batch in [b for b in self._batch_states if b < watermark]:
+            del self._batch_states[batch]
+        self._consumed = {d for d in self._consumed if d >= watermark * self.per_step}
+
+    def _busy_engines(self) -> dict[int, float]:
+        return {engine: started for engine, _, started in self._in_flight.values()}
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"asynchronous rollout stopped: {self._error}") from self._error
+
+
+class _Window:
+    """What happened between two batches: the step's generation metrics."""
+
+    def __init__(self, num_engines: int):
+        self.num_engines = num_engines
+        self.since = time.perf_counter()
+        self.busy_s: dict[int, float] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        self.generated_tokens = 0
+        self.interrupted = self.restarted = self.stale_dropped = self.stale_regenerated = self.dropped_groups = 0
+        self.scores: list[torch.Tensor] = []
+        self.generations: list[Generation] = []
+        self.reward_metrics: dict[str, float] = {}
+
+    def engine_busy(self, engine: int, started: float, ended: float) -> None:
+        self.busy_s[engine] = self.busy_s.get(engine, 0.0) + ended - max(started, self.since)
+
+    def scored(self, scores: torch.Tensor, generations: list[Generation], reward_metrics: dict) -> None:
+        self.scores.append(scores)
+        self.generations.extend(generations)
+        self.reward_metrics = reward_metrics
+
+    def metrics(self, version: int, taken: list[_Done], running: dict[int, float]) -> dict[str, float]:
+        from rlmega.trainer.prompts import PromptSource
+
+        now = time.perf_counter()
+        wall = max(now - self.since, 1e-9)
+        busy = sum(self.busy_s.values()) + sum(now - max(started, self.since) for started in running.values())
+        staleness = [version - min(r.versions) for done in taken for r in done.group.responses]
+        token_staleness = [version - v for done in taken for r in done.group.responses for v in r.versions]
+        mixed = [len(set(r.versions)) > 1 for done in taken for r in done.group.responses]
+        scores = torch.cat(self.scores) if self.scores else torch.cat([done.scores for done in taken])
+        generations = self.generations or [g for done in taken for g in done.generations]
+        metrics = PromptSource.generation_metrics(scores, generations, self.reward_metrics)
+        metrics.update({
+            "async/staleness_mean": sum(staleness) / len(staleness),
+            "async/staleness_max": float(max(staleness)),
+            "async/token_staleness_mean": sum(token_staleness) / max(1, len(token_staleness)),
+            "async/mixed_version_fraction": sum(mixed) / len(mixed),
+            "async/interrupted_requests": float(self.interrupted),
+            "async/restarted_responses": float(self.restarted),
+            "async/stale_dropped": float(self.stale_dropped),
+            "async/stale_regenerated": float(self.stale_regenerated),
+            "async/engine_idle_fraction": min(1.0, max(0.0, 1.0 - busy / (wall * self.num_engines))),
+            "perf/generation_tokens_per_s": self.generated_tokens / wall,
+            "batch/dropped_groups": float(self.dropped_groups),
+        })
+        self.since, self.busy_s = now, {}
+        self._reset()
+        return metrics
+
+
+def _as_future(submitted) -> futures.Future:
+    """A Ray ObjectRef or a Future, as a Future."""
+    return submitted if isinstance(submitted, futures.Future) else submitted.future()
