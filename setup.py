@@ -5,7 +5,7 @@ from setuptools import find_packages, setup
 # Ranges are the ones tested; megatron-core 0.16 is the newest release for Python 3.11 and the one
 # rlmega.parallel.cpu_platform was audited against.
 INSTALL_REQUIRES = [
-    "torch>=2.6,<2.14",
+    "torch>=2.6,<2.15",  # 2.14: the torch that vllm 0.33 and sglang 0.5.23 pin
     "megatron-core>=0.16.0,<0.17",
     "transformers>=5.0,<6",
     "ray[default]>=2.40,<3",
@@ -23,8 +23,8 @@ INSTALL_REQUIRES = [
 EXTRAS_REQUIRE = {
     # apex is built from NVIDIA's source on GPU clusters (see README); the PyPI "apex" is unrelated.
     "gpu": ["transformer-engine[pytorch]>=2.4,<2.9"],
-    "vllm": ["vllm>=0.11,<0.12"],
-    "sglang": ["sglang>=0.5.3,<0.6"],
+    "vllm": ["vllm>=0.33,<0.34"],
+    "sglang": ["sglang>=0.5.23,<0.5.24"],  # SGLang changes its Python API within 0.5.x
     "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "hypothesis>=6.100,<7"],
     # benchmarks/peer_trl.py: TRL's GRPOTrainer on the same job. TRL's requirements that rlmega does not
     # already have (tested with accelerate 1.15.0, datasets 5.2.0, pandas 3.1.1); none replaces torch.

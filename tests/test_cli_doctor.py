@@ -84,7 +84,7 @@ MCORE_FIX = "pip install 'megatron-core==0.16.*'"
 # (rule, how to break the healthy report, a fragment of the fix the message must name)
 RULE_CASES = [
     ("python_too_old", lambda r: r["python"].update(version="3.9.18"), "Python 3.10 or newer"),
-    ("torch_untested", _set_version("torch", "2.14.0"), "pip install torch==2.13.0"),
+    ("torch_untested", _set_version("torch", "2.15.0"), "pip install torch==2.13.0"),
     ("torch_untested", _set_version("torch", "2.5.1"), "pip install torch==2.13.0"),
     ("megatron_core_untested", _set_version("megatron-core", "0.17.0"), MCORE_FIX),
     ("megatron_core_untested", _set_version("megatron-core", "0.15.3"), MCORE_FIX),
@@ -97,6 +97,8 @@ RULE_CASES = [
     ),
     ("vllm_without_cuda", _set_version("vllm", "0.11.0"), "pip uninstall vllm"),
     ("sglang_without_cuda", _set_version("sglang", "0.5.3"), "pip uninstall sglang"),
+    ("vllm_unsupported", _set_version("vllm", "0.11.0"), "pip install 'vllm>=0.33,<0.34'"),
+    ("sglang_unsupported", _set_version("sglang", "0.5.3"), "pip install 'sglang>=0.5.23,<0.5.24'"),
     ("unrelated_apex", _unrelated_apex, "pip uninstall apex, then build NVIDIA apex from source"),
 ]
 
@@ -127,8 +129,8 @@ def test_gpu_only_packages_are_fine_with_a_gpu():
     report["cuda"].update(available=True, built_with="12.8", device_count=1, devices=["H200"])
     report["cpu_platform"]["redirects_apply"] = False
     report["cpu_platform"].update(megatron_core_checked=False, refusal="unchecked")  # GPU: irrelevant
-    for package in ("transformer-engine", "vllm", "sglang"):
-        report["packages"][package]["version"] = "1.0.0"
+    for package, version in (("transformer-engine", "1.0.0"), ("vllm", "0.33.0"), ("sglang", "0.5.23")):
+        report["packages"][package]["version"] = version
     report["packages"]["apex"]["version"] = "0.1"
     report["apex"] = {"installed": True, "nvidia": True}
     assert doctor.find_problems(report) == {}

@@ -211,8 +211,8 @@ RULES = (
     ),
     Rule(
         "torch_untested",
-        lambda r: _outside(_version(r, "torch"), (2, 6), (2, 14)),
-        "torch {torch} is outside the tested range >=2.6,<2.14; "
+        lambda r: _outside(_version(r, "torch"), (2, 6), (2, 15)),
+        "torch {torch} is outside the tested range >=2.6,<2.15; "
         f"fix: pip install torch==2.13.0 (CPU-only machines: {TORCH_CPU_INSTALL})",
     ),
     Rule(
@@ -249,6 +249,19 @@ RULES = (
         _gpu_only_without_cuda("sglang"),
         "sglang {sglang} is installed but torch sees no GPU, and sglang is GPU-only; "
         "fix: pip uninstall sglang, or make the GPU visible",
+    ),
+    Rule(
+        "vllm_unsupported",
+        lambda r: _outside(_version(r, "vllm"), (0, 33), (0, 34)),
+        "vllm {vllm} is installed, but rlmega's vLLM adapter supports vllm>=0.33,<0.34 (VLLMEngine refuses "
+        "to start); fix: pip install 'vllm>=0.33,<0.34'",
+    ),
+    Rule(
+        "sglang_unsupported",
+        lambda r: _version(r, "sglang") is not None
+        and not (0, 5, 23) <= tuple(int(n) for n in re.findall(r"\d+", _version(r, "sglang"))[:3]) < (0, 5, 24),
+        "sglang {sglang} is installed, but rlmega's SGLang adapter supports sglang>=0.5.23,<0.5.24 (SGLangEngine "
+        "refuses to start); fix: pip install 'sglang>=0.5.23,<0.5.24'",
     ),
     Rule(
         "unrelated_apex",

@@ -336,6 +336,8 @@ class EngineAdapter(ABC):
         self._book = WeightBook(self.weights.shapes)
         self._asleep_tags: set[str] = set()  # of "weights", "kv_cache"
         self._group_name = DEFAULT_GROUP_NAME
+        self._group_joined = False
+        self._update_open = False  # the engine's own update session (_engine_open_update) is open
         self._lock = threading.RLock()
         self._paused = threading.Event()
 
@@ -368,6 +370,13 @@ class EngineAdapter(ABC):
     @abstractmethod
     def _engine_leave_group(self, group_name: str) -> None:
         """Destroy the weight-update group on every worker."""
+
+    def _engine_open_update(self) -> None:
+        """Open the engine's own weight-update session before the first bucket of an update (vLLM's
+        ``start_weight_update``, SGLang's ``begin_weight_update``)."""
+
+    def _engine_close_update(self, version: int) -> None:
+        """Close the session ``_engine_open_update`` opened, at the commit of ``version``."""
 
     @abstractmethod
     def _engine_drop_prefix_cache(self) -> None:
@@ -435,14 +444,17 @@ class EngineAdapter(ABC):
     @serialised
     def write_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         for bucket, slots in checked_buckets(named_tensors, self.weights, self.bucket_bytes):
-            self._wake_weights()
-            self._book.sending()
+            self._start_sending()
             self._engine_load(bucket)
             self._book.sent(slots)
 
     @serialised
     def commit_update(self) -> None:
+        version = self._book.pending
         self._book.commit()
+        if self._update_open:
+            self._engine_close_update(version)
+            self._update_open = False
         if "kv_cache" not in self._asleep_tags:
             self._engine_drop_prefix_cache()
 
@@ -454,24 +466,35 @@ class EngineAdapter(ABC):
         """Join every worker to the trainer's weight group (worker ``w`` as rank ``rank_offset + w``).
         Collective: the trainer rank calls ``weight_group.init_weight_update_group(..., rank=0)`` meanwhile."""
         self._engine_join_group(master_address, master_port, rank_offset, world_size, group_name, backend)
-        self._group_name = group_name
+        self._group_name, self._group_joined = group_name, True
 
     @serialised
     def destroy_weight_update_group(self) -> None:
-        self._engine_leave_group(self._group_name)
+        if self._group_joined:
+            self._engine_leave_group(self._group_name)
+            self._group_joined = False
 
     @serialised
     def receive_weights(self, metas: Sequence[WeightMeta]) -> None:
         """Receive one bucket that the trainer rank broadcasts (``weight_group.broadcast_weights``), between
         ``begin_update`` and ``commit_update``. ``metas`` are ``weight_group.weight_meta(bucket)``."""
+        if not self._group_joined:  # SGLang's receiver asserts on an unknown group (in 0.5.3, killing the scheduler)
+            raise RuntimeError("receive_weights needs a weight-update group: call init_weight_update_group first")
         metas = [(name, dtype, tuple(shape)) for name, dtype, shape in metas]
         slots = {self.weights.check(name, torch.empty(shape, device="meta")) for name, _, shape in metas}
         if not metas:
             return
-        self._wake_weights()
-        self._book.sending()
+        self._start_sending()
         self._engine_receive(metas, self._group_name)
         self._book.sent(slots)
+
+    def _start_sending(self) -> None:
+        """Before a bucket leaves: weights mapped, the version marked torn, the engine's session open."""
+        self._wake_weights()
+        self._book.sending()
+        if not self._update_open:
+            self._engine_open_update()
+            self._update_open = True
 
     def weight_version(self) -> int:
         return self._book.version

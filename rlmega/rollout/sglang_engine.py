@@ -1,10 +1,11 @@
-"""``RolloutEngine`` over SGLang's offline ``sglang.Engine`` (SGLang >=0.5.3,<0.6).
+"""``RolloutEngine`` over SGLang's offline ``sglang.Engine`` (SGLang >=0.5.23,<0.5.24).
 
 Two ways to get new weights in:
 
 - colocated: ``update_weights(named_tensors, version)`` sends checked buckets with
   ``Engine.update_weights_from_tensor`` (which serialises them for the scheduler processes: CUDA IPC
-  handles for GPU tensors) and flushes the radix cache once, at the commit.
+  handles for GPU tensors, per TP rank) inside one ``begin_weight_update`` / ``end_weight_update``
+  session, and flushes the radix cache once, at the commit.
 - disaggregated: ``init_weight_update_group(...)`` (SGLang's ``init_weights_update_group``), then
   ``begin_update`` / ``receive_weights(metas)`` / ``commit_update`` while the trainer rank broadcasts each
   bucket with ``rlmega.rollout.weight_group.broadcast_weights``.
@@ -12,12 +13,12 @@ Two ways to get new weights in:
 ``pause_generation`` aborts the requests of a running ``generate`` in SGLang's scheduler
 (``TokenizerManager.abort_request(abort_all=True)``); they come back with the tokens generated so far.
 
-Every call into SGLang is in the "SGLang 0.5.3 API" section below; README.md says what was checked where.
+Every call into SGLang is in the "SGLang 0.5.23 API" section below; README.md says what was checked where;
+tests/rollout/fakes/api/sglang.json is what the wheel's source says of each call.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 import warnings
@@ -29,41 +30,41 @@ from rlmega.rollout.engine_common import DEFAULT_BUCKET_BYTES, EngineAdapter, ad
 from rlmega.rollout.protocol import SamplingParams
 from rlmega.rollout.weight_group import WeightMeta
 
-SUPPORTED_VERSIONS = ((0, 5, 3), (0, 6))  # setup.py's `sglang` extra: sglang>=0.5.3,<0.6
+# setup.py's `sglang` extra: sglang>=0.5.23,<0.5.24. SGLang changes its Python API within 0.5.x (0.5.23
+# added the weight-update session and renamed the log-prob switch), so the range is one patch release.
+SUPPORTED_VERSIONS = ((0, 5, 23), (0, 5, 24))
 
 
-# ---------------------------------------------------------------------------------------------- SGLang 0.5.3 API
-# Checked against the sglang 0.5.3 wheel: sglang/srt/entrypoints/engine.py (Engine: generate,
-# update_weights_from_tensor, init_weights_update_group, update_weights_from_distributed, flush_cache,
-# release_memory_occupation, resume_memory_occupation, shutdown), sglang/srt/sampling/sampling_params.py,
-# sglang/srt/layers/sampler.py (which log-probs are returned), sglang/srt/managers/schedule_batch.py
-# (Req.check_finished), sglang/srt/managers/tokenizer_manager.py (output dicts, auto_create_handle_loop,
-# abort_request, _handle_abort_req), sglang/srt/managers/scheduler.py (Scheduler.abort_request),
-# sglang/srt/server_args.py.
+# ---------------------------------------------------------------------------------------------- SGLang 0.5.23 API
+# Checked against the sglang 0.5.23 wheel: sglang/srt/entrypoints/engine.py (Engine: generate,
+# update_weights_from_tensor, begin_weight_update, end_weight_update, init_weights_update_group,
+# update_weights_from_distributed, destroy_weights_update_group, flush_cache, release_memory_occupation,
+# resume_memory_occupation, shutdown, _ensure_event_loop), sglang/srt/sampling/sampling_params.py,
+# sglang/srt/layers/sampler.py and sglang/srt/environ.py (which log-probs are returned),
+# sglang/srt/managers/scheduler_components/weight_updater.py (the update session),
+# sglang/srt/managers/tokenizer_manager.py (abort_request), sglang/srt/arg_groups/ (server arguments).
 
 # sglang/srt/layers/sampler.py reads it when the scheduler processes import it: with it, the returned
-# log-probs are log(softmax(raw logits)); without it, log(softmax(logits / temperature)) (greedy requests
-# run at temperature 1 with top_k=1, so theirs are the raw logits'), which is what the trainer scores.
-RAW_LOGPROB_ENV = "RETURN_ORIGINAL_LOGPROB"
+# log-probs are log(softmax(raw logits)); without it, log(softmax(logits / temperature)) (greedy requests:
+# the raw logits'), which is what the trainer scores. (0.5.3 called it RETURN_ORIGINAL_LOGPROB.)
+RAW_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 
 
 ABORT_REPEAT_S = 0.05  # while paused, the abort is repeated this often (see _abort_while_paused)
 
 
-class _EngineLoop:
-    """The one thread, and its event loop, that every call into the ``Engine`` runs on.
+class _EngineThread:
+    """The one thread that every call into the ``Engine`` runs on.
 
-    Each ``Engine`` method runs ``asyncio.get_event_loop().run_until_complete(...)``, and the
-    ``TokenizerManager`` binds to the loop of its first request (``auto_create_handle_loop``). A threaded
-    Ray actor calls from a pool of threads, which have no event loop, so the calls are handed to this thread.
-    The ``Engine`` itself is built by the caller: it installs signal handlers, which only the main thread
-    may do.
+    The ``Engine`` binds the event loop of the thread that builds it (``Engine._ensure_event_loop``) and
+    each method runs ``self.loop.run_until_complete(...)``: two threads inside at once fail ("This event
+    loop is already running"), and a threaded Ray actor calls from a pool of threads. So the calls are
+    handed to this thread, one at a time. The ``Engine`` itself is built by the caller: it installs signal
+    handlers, which only the main thread may do.
     """
 
     def __init__(self):
-        self.loop = asyncio.new_event_loop()  # a uvloop loop, as SGLang's own: its engine module sets the policy
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-engine",
-                                          initializer=asyncio.set_event_loop, initargs=(self.loop,))
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-engine")
 
     def run(self, function, *args):
         return self._thread.submit(function, *args).result()
@@ -103,7 +104,7 @@ def _sampling_params(params: SamplingParams, seed: int | None, ignore_eos: bool)
         "top_k": params.top_k or -1,  # -1 disables
         "max_new_tokens": params.max_new_tokens,
         "stop_token_ids": list(params.stop_token_ids),
-        # ignore_eos also disables stop_token_ids in 0.5.3 (Req.check_finished): see
+        # ignore_eos also disables stop_token_ids (Req.check_finished): see
         # SGLangEngine._engine_generate.
         "ignore_eos": ignore_eos,
         "no_stop_trim": True,  # keep the stop token
@@ -130,7 +131,7 @@ def _generate(engine, prompts: list[list[int]], sampling: list[dict]) -> list[tu
     return responses
 
 
-def _abort_while_paused(engine, loop: asyncio.AbstractEventLoop, paused: threading.Event) -> None:
+def _abort_while_paused(engine, paused: threading.Event) -> None:
     """On the engine's loop: abort every request in the scheduler, and again every ``ABORT_REPEAT_S`` while
     paused. The scheduler aborts what it holds (``Scheduler.abort_request``): queued requests come back
     empty, running ones after one more decoding step, with their tokens. A request sent after an abort (a
@@ -138,12 +139,12 @@ def _abort_while_paused(engine, loop: asyncio.AbstractEventLoop, paused: threadi
     repeats stop; while no call runs the loop they wait, and the first call after resume ends them."""
     if paused.is_set():
         engine.tokenizer_manager.abort_request(abort_all=True)
-        loop.call_later(ABORT_REPEAT_S, _abort_while_paused, engine, loop, paused)
+        engine.loop.call_later(ABORT_REPEAT_S, _abort_while_paused, engine, paused)
 
 
-def _interrupt(engine, loop: asyncio.AbstractEventLoop, paused: threading.Event) -> None:
-    """From any thread: the abort runs on the loop that the running call drives (thread-safe hand-over)."""
-    loop.call_soon_threadsafe(_abort_while_paused, engine, loop, paused)
+def _interrupt(engine, paused: threading.Event) -> None:
+    """From any thread: the abort runs on the engine's loop, which the running call drives."""
+    engine.loop.call_soon_threadsafe(_abort_while_paused, engine, paused)
 
 
 def _checked(result, what: str) -> None:
@@ -151,6 +152,14 @@ def _checked(result, what: str) -> None:
     success, message = result
     if not success:
         raise RuntimeError(f"SGLang {what} failed: {message}")
+
+
+def _begin_update(engine) -> None:
+    _checked(engine.begin_weight_update(), "begin_weight_update")
+
+
+def _end_update(engine) -> None:
+    _checked(engine.end_weight_update(), "end_weight_update")
 
 
 def _update_from_tensor(engine, bucket: list[tuple[str, torch.Tensor]]) -> None:
@@ -198,8 +207,8 @@ class SGLangEngine(EngineAdapter):
     ``mem_fraction_static``, ``dtype``, ...). Two of them matter to the protocol:
     ``enable_weights_cpu_backup=True`` is required for ``sleep(level=1)``, and seeded sampling is
     reproducible only with ``enable_deterministic_inference=True`` (SGLang ignores per-request seeds
-    otherwise). Every engine call runs on one thread that owns the engine's event loop (``_EngineLoop``), so
-    the adapter may be called from any thread.
+    otherwise). Every engine call runs on one thread (``_EngineThread``), so the adapter may be called from
+    any thread.
     """
 
     engine_name = "sglang"
@@ -210,7 +219,7 @@ class SGLangEngine(EngineAdapter):
         super().__init__(model, bucket_bytes=bucket_bytes, engine_version=self._sglang.__version__)
         self.keeps_weights_asleep = bool(server_kwargs.get("enable_weights_cpu_backup", False))
         self.engine = _new_engine(self._sglang, str(self.model_path), server_kwargs)
-        self._loop = _EngineLoop()
+        self._loop = _EngineThread()
 
     def sleep(self, level: int = 1) -> None:
         """Level 1 needs the engine built with ``enable_weights_cpu_backup=True`` (the weights come back on
@@ -225,7 +234,7 @@ class SGLangEngine(EngineAdapter):
         self.engine.shutdown()
         self._loop.close()
 
-    # ------------------------------------------------------------------ engine calls: the SGLang 0.5.3 API above
+    # ------------------------------------------------------------------ engine calls: the SGLang 0.5.23 API above
 
     def _engine_generate(self, prompts: list[list[int]], params: list[SamplingParams],
                          seeds: list[int | None]) -> list[tuple[list[int], list[float], bool]]:
@@ -239,7 +248,13 @@ class SGLangEngine(EngineAdapter):
         return self._loop.run(_generate, self.engine, prompts, sampling)
 
     def _engine_interrupt(self, paused: threading.Event) -> None:
-        _interrupt(self.engine, self._loop.loop, paused)
+        _interrupt(self.engine, paused)
+
+    def _engine_open_update(self) -> None:
+        self._loop.run(_begin_update, self.engine)
+
+    def _engine_close_update(self, version: int) -> None:
+        self._loop.run(_end_update, self.engine)
 
     def _engine_load(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         self._loop.run(_update_from_tensor, self.engine, bucket)

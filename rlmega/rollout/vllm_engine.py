@@ -1,19 +1,22 @@
-"""``RolloutEngine`` over vLLM's offline ``LLM`` (vLLM >=0.11,<0.12, its V1 engine).
+"""``RolloutEngine`` over vLLM's offline ``LLM`` (vLLM >=0.33,<0.34, its V1 engine).
 
 Two ways to get new weights in:
 
-- colocated: ``update_weights(named_tensors, version)`` hands the tensors, bucket by bucket, to every
-  vLLM worker through ``LLM.collective_rpc`` and the worker's ``model.load_weights``. With
+- colocated: ``update_weights(named_tensors, version)`` opens vLLM's own weight-update session
+  (``LLM.start_weight_update``: layerwise reload on every worker), hands the tensors, bucket by bucket, to
+  every worker through ``LLM.collective_rpc`` and the worker's ``model.load_weights``, and closes it with
+  ``LLM.finish_weight_update(weight_version=...)``. With
   ``in_process=True`` (the default) the engine core runs in this process, so the tensors are passed by
   reference, never copied through a pipe.
 - disaggregated: ``init_weight_update_group(...)`` joins the workers to a process group with one
   trainer rank (``rlmega.rollout.weight_group``), then ``begin_update`` / ``receive_weights(metas)`` /
   ``commit_update`` receive buckets that the trainer rank broadcasts with ``broadcast_weights``.
 
-``pause_generation`` cannot interrupt a running ``generate`` in vLLM 0.11 (see ``_engine_interrupt``): the
-running call completes, and calls made while paused return "abort" at once without reaching vLLM.
+``pause_generation`` does not interrupt a running ``generate`` (see ``_engine_interrupt``): the running call
+completes, and calls made while paused return "abort" at once without reaching vLLM.
 
-Every call into vLLM is in the "vLLM 0.11 API" section below; README.md says what was checked where.
+Every call into vLLM is in the "vLLM 0.33 API" section below; README.md says what was checked where;
+tests/rollout/fakes/api/vllm.json is what the wheel's source says of each call.
 """
 
 from __future__ import annotations
@@ -27,15 +30,17 @@ from rlmega.rollout.engine_common import DEFAULT_BUCKET_BYTES, EngineAdapter, ad
 from rlmega.rollout.protocol import SamplingParams
 from rlmega.rollout.weight_group import WeightMeta
 
-SUPPORTED_VERSIONS = ((0, 11), (0, 12))  # setup.py's `vllm` extra: vllm>=0.11,<0.12
+SUPPORTED_VERSIONS = ((0, 33), (0, 34))  # setup.py's `vllm` extra: vllm>=0.33,<0.34
 WORKER_EXTENSION = "rlmega.rollout.vllm_engine.VLLMWorkerExtension"
 
 
-# ---------------------------------------------------------------------------------------------- vLLM 0.11 API
-# Checked against the vllm 0.11.0 wheel: vllm/entrypoints/llm.py (LLM.__init__, generate, collective_rpc,
-# sleep, wake_up, reset_prefix_cache), vllm/sampling_params.py, vllm/outputs.py (CompletionOutput),
-# vllm/config/model.py (logprobs_mode), vllm/v1/worker/gpu_worker.py (sleep/wake_up, model_runner),
-# vllm/worker/worker_base.py (worker_extension_cls).
+# ---------------------------------------------------------------------------------------------- vLLM 0.33 API
+# Checked against the vllm 0.33.0 wheel: vllm/entrypoints/llm.py (LLM.__init__, generate, collective_rpc,
+# sleep, wake_up, reset_prefix_cache), vllm/entrypoints/rl/offline.py (RLOfflineMixin: start_weight_update,
+# finish_weight_update), vllm/sampling_params.py, vllm/outputs.py (CompletionOutput), vllm/config/model.py
+# (LogprobsMode), vllm/config/weight_transfer.py, vllm/distributed/weight_transfer/nccl_engine.py
+# (start / finish: layerwise reload), vllm/v1/worker/gpu_worker.py (the weight-transfer calls,
+# model_runner), vllm/engine/arg_utils.py (worker_extension_cls, weight_transfer_config).
 
 def _import_vllm():
     import vllm
@@ -57,6 +62,9 @@ def _engine_settings() -> dict:
         "enable_sleep_mode": True,
         # Our weight-loading methods, mixed into every worker.
         "worker_extension_cls": WORKER_EXTENSION,
+        # Enables vLLM's weight-update session (start_weight_update / finish_weight_update raise without
+        # it); the NCCL engine's start and finish run the layerwise reload around our loads.
+        "weight_transfer_config": {"backend": "nccl"},
     }
 
 
@@ -69,7 +77,7 @@ def _vllm_sampling_params(vllm, params: SamplingParams, seed: int | None):
         n=1,
         temperature=params.temperature,
         top_p=params.top_p,
-        top_k=params.top_k or 0,  # 0 disables (-1 is still accepted in 0.11 but 0 is preferred)
+        top_k=params.top_k or 0,  # 0 disables
         seed=seed,
         max_tokens=params.max_new_tokens,
         stop_token_ids=list(params.stop_token_ids),
@@ -93,6 +101,14 @@ def _vllm_generate(llm, prompts: list[list[int]], sampling_params: list) -> list
         # logprobs[t] is {token id: Logprob} holding at least the sampled token.
         responses.append((tokens, [step[token].logprob for step, token in zip(completion.logprobs, tokens)], False))
     return responses
+
+
+def _start_update(llm) -> None:
+    llm.start_weight_update()
+
+
+def _finish_update(llm, version: int) -> None:
+    llm.finish_weight_update(weight_version=str(version))
 
 
 def _load_weights(llm, bucket: list[tuple[str, torch.Tensor]]) -> None:
@@ -175,7 +191,7 @@ class VLLMEngine(EngineAdapter):
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when the LLM is built
         self.llm = _new_llm(self._vllm, str(self.model_path), engine_kwargs)
 
-    # ------------------------------------------------------------------ engine calls: the vLLM 0.11 API above
+    # ------------------------------------------------------------------ engine calls: the vLLM 0.33 API above
 
     def _engine_generate(self, prompts: list[list[int]], params: list[SamplingParams],
                          seeds: list[int | None]) -> list[tuple[list[int], list[float], bool]]:
@@ -183,8 +199,10 @@ class VLLMEngine(EngineAdapter):
                                                   for p, seed in zip(params, seeds)])
 
     def _engine_interrupt(self, paused: threading.Event) -> None:
-        """Nothing: vLLM 0.11's offline engine cannot be interrupted from another thread, so a running
-        ``generate`` completes ("stop" / "length") and only later calls see the pause.
+        """Nothing: a running ``generate`` completes ("stop" / "length") and only later calls see the pause.
+        Read for 0.11; in 0.33 ``LLM._run_engine`` still steps the engine in the caller's thread, and its
+        aborts (``LLMEngine.abort_request``, ``LLM.sleep(level=0, mode="abort")``) are not documented as safe
+        from another thread while it steps (not yet checked on a GPU).
 
         ``LLM.generate`` steps the engine in the caller's thread until every request is done
         (``LLM._run_engine`` in vllm/entrypoints/llm.py). Its one abort, ``LLMEngine.abort_request``
@@ -194,6 +212,12 @@ class VLLMEngine(EngineAdapter):
         ``OutputProcessor.abort_requests`` emits a final output only into an ``AsyncLLM`` request's queue.
         Interrupting with the partial response kept needs vLLM's ``AsyncLLM`` (vllm/v1/engine/async_llm.py:
         ``generate`` streaming outputs, ``abort(request_id)``)."""
+
+    def _engine_open_update(self) -> None:
+        _start_update(self.llm)
+
+    def _engine_close_update(self, version: int) -> None:
+        _finish_update(self.llm, version)
 
     def _engine_load(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         _load_weights(self.llm, bucket)

@@ -27,6 +27,27 @@ from rlmega.sync.control import Address, Channel, Watch, abort_stream, end_strea
 from rlmega.sync.transports import DEFAULT_TIMEOUT_S, start_update
 
 SHM_PREFIX = "rlmega-sync-"
+IPC_DEVICE_ARG = 6  # torch.multiprocessing.reductions.rebuild_cuda_tensor's storage_device argument
+
+
+def device_uuid(index: int) -> str:
+    """The physical GPU behind this process's CUDA device ``index`` (the same in every process)."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def local_device_index(uuid: str, uuids: Sequence[str]) -> int:
+    """This process's index of the GPU named ``uuid``, among the ``uuids`` it sees (in index order).
+
+    Ray gives each actor its own ``CUDA_VISIBLE_DEVICES``, so the same GPU has other indices in the
+    trainer rank and in an engine actor on the same host; a CUDA IPC handle names it by the sender's
+    index, and opening it by that index in the receiver maps the wrong device (or none).
+    """
+    try:
+        return list(uuids).index(uuid)
+    except ValueError:
+        raise RuntimeError(f"the sender's GPU {uuid} is not visible in this process (it sees {list(uuids)}): "
+                           f"CUDA IPC needs both processes to see it; use the broadcast or object_store "
+                           f"transport") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,10 +59,14 @@ class RegionHandle:
     nbytes: int
     path: Optional[str] = None
     cuda_ipc: Optional[tuple] = None
+    device_uuid: Optional[str] = None  # of the GPU that holds a CUDA IPC region
 
     def open(self) -> torch.Tensor:
         if self.cuda_ipc is not None:
             rebuild, args = self.cuda_ipc
+            visible = [device_uuid(i) for i in range(torch.cuda.device_count())]
+            args = list(args)
+            args[IPC_DEVICE_ARG] = local_device_index(self.device_uuid, visible)
             return rebuild(*args)
         # Opened without O_CREAT: if the name is gone this fails, instead of mapping a fresh empty file.
         fd = os.open(self.path, os.O_RDWR)
@@ -64,7 +89,8 @@ class _Region:
             from torch.multiprocessing.reductions import reduce_tensor
 
             self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            self.handle = RegionHandle(generation, nbytes, cuda_ipc=reduce_tensor(self.tensor))
+            self.handle = RegionHandle(generation, nbytes, cuda_ipc=reduce_tensor(self.tensor),
+                                       device_uuid=device_uuid(self.tensor.device.index))
             return
         self.path = os.path.join(directory, f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

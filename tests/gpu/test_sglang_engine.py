@@ -1,6 +1,7 @@
-"""The real SGLang 0.5.3 behind SGLangEngine on a tiny Llama: greedy equals HF, temperature-scaled log-probs (without
-RETURN_ORIGINAL_LOGPROB), weight updates, sleep/wake. Needs CUDA and `pip install -e .[sglang]`
-(tests/gpu/run_gpu_checks.sh)."""
+"""The real SGLang 0.5.23 behind SGLangEngine on a tiny Llama: greedy equals HF, temperature-scaled log-probs (without
+SGLANG_RETURN_ORIGINAL_LOGPROB), weight updates, sleep/wake. Needs CUDA and `pip install -e .[sglang]`
+(tests/gpu/run_gpu_checks.sh). Its CPU contract twin, test_the_gpu_fixture_arguments_are_accepted in
+tests/rollout/test_sglang_adapter.py, builds the fake engine with ENGINE_KWARGS."""
 
 import pytest
 
@@ -8,14 +9,18 @@ from .engine_checks import check_greedy_and_sampled_logprobs, check_update_sleep
 
 pytestmark = pytest.mark.gpu
 
+# Deterministic inference (per-request seeds) needs an attention backend from
+# DETERMINISTIC_ATTENTION_BACKEND_CHOICES; left unset, SGLang picks fa3 on Hopper, which has no fp32 kernels.
+ENGINE_KWARGS = dict(dtype="float32", mem_fraction_static=0.3, disable_cuda_graph=True,
+                     enable_deterministic_inference=True, attention_backend="triton", sampling_backend="pytorch")
+
 
 @pytest.fixture(scope="module")
 def engine(gpu_llama_dir):
     pytest.importorskip("sglang")
     from rlmega.rollout.sglang_engine import SGLangEngine
 
-    engine = SGLangEngine(gpu_llama_dir, dtype="float32", mem_fraction_static=0.3, disable_cuda_graph=True,
-                          enable_deterministic_inference=True, sampling_backend="pytorch")
+    engine = SGLangEngine(gpu_llama_dir, **ENGINE_KWARGS)
     yield engine
     engine.shutdown()
 

@@ -1,4 +1,4 @@
-"""The real vLLM 0.11 behind VLLMEngine on a tiny Llama: greedy equals HF, temperature-scaled log-probs, weight updates,
+"""The real vLLM 0.33 behind VLLMEngine on a tiny Llama: greedy equals HF, temperature-scaled log-probs, weight updates,
 sleep/wake. Needs CUDA and `pip install -e .[vllm]` (tests/gpu/run_gpu_checks.sh)."""
 
 import pytest

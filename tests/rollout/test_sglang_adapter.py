@@ -1,6 +1,6 @@
-"""SGLangEngine against a faithful stand-in for sglang 0.5.3 (tests/rollout/fakes/fake_sglang.py): the
-RolloutEngine contract, and the SGLang calls the adapter makes. tests/gpu/test_sglang_engine.py runs the
-real engine."""
+"""SGLangEngine against a stand-in for sglang 0.5.23 (tests/rollout/fakes/fake_sglang.py) whose every call is
+bound to the API recorded from the wheel (fakes/api/sglang.json): the RolloutEngine contract, and the SGLang
+calls the adapter makes. tests/gpu/test_sglang_engine.py runs the real engine."""
 
 import sys
 import time
@@ -14,13 +14,14 @@ from rlmega.rollout import SamplingParams
 from .fakes import contract, fake_sglang, one_thread
 from .tiny_models import PROMPTS, checkpoint_tensors
 
-UPDATE_CALLS = ("update_weights_from_tensor", "update_weights_from_distributed", "init_weights_update_group")
+UPDATE_CALLS = ("update_weights_from_tensor", "update_weights_from_distributed", "init_weights_update_group",
+                "begin_weight_update")
 
 
 @pytest.fixture
 def sglang(monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang", fake_sglang)
-    monkeypatch.delenv("RETURN_ORIGINAL_LOGPROB", raising=False)
+    monkeypatch.delenv(fake_sglang.RAW_LOGPROB_ENV, raising=False)
     with one_thread():
         yield fake_sglang
 
@@ -45,7 +46,7 @@ def test_server_arguments_and_sampling_params(make_engine, llama_dir):
     import os
 
     engine = make_engine(llama_dir)
-    assert "RETURN_ORIGINAL_LOGPROB" not in os.environ  # temperature-scaled log-probs from the scheduler processes
+    assert fake_sglang.RAW_LOGPROB_ENV not in os.environ  # temperature-scaled log-probs from the scheduler processes
     (_, kwargs), = _calls(engine, "__init__")
     assert kwargs == {"model_path": str(llama_dir), "mem_fraction_static": 0.5, "enable_deterministic_inference": True,
                       "enable_weights_cpu_backup": True, "skip_tokenizer_init": True, "enable_memory_saver": True}
@@ -79,6 +80,9 @@ def test_streamed_update(make_engine, llama_dir, llama_other_dir):
     assert sorted(n for call in updates for n in call[1]) == sorted(checkpoint_tensors(llama_other_dir))
     assert len(updates) > 3 and {(fmt, flush) for _, _, fmt, flush in updates} == {(None, False)}
     assert engine.engine.calls.index(("flush_cache",)) > engine.engine.calls.index(updates[-1])
+    # One update session around the buckets (0.5.23 refuses updates outside one).
+    sessions = [c[0] for c in _calls(engine, "begin_weight_update", "end_weight_update", "update_weights_from_tensor")]
+    assert sessions == ["begin_weight_update"] + ["update_weights_from_tensor"] * len(updates) + ["end_weight_update"]
 
 
 def test_bad_updates_send_nothing(make_engine, llama_dir):
@@ -119,6 +123,43 @@ def test_broadcast_update(make_engine, llama_dir, llama_other_dir):
     group_name = init[5]
     assert init[3:] == (1, 2, group_name, "gloo") and len(received) == 3
     assert all(call[4:] == (group_name, False) for call in received)
+    assert [c[0] for c in _calls(engine, "begin_weight_update", "end_weight_update")] == \
+        ["begin_weight_update", "end_weight_update"]
+
+
+def test_receive_without_a_weight_group_sends_nothing(make_engine, llama_dir):
+    """Disaggregated update before init_weight_update_group: refused by the adapter, before any engine call
+    (SGLang's receiver asserts on the unknown group; in 0.5.3 the assert killed the scheduler)."""
+    engine = make_engine(llama_dir)
+    engine.begin_update(1)
+    with pytest.raises(RuntimeError, match="call init_weight_update_group first"):
+        engine.receive_weights([("model.norm.weight", "float32", (64,))])
+    assert _calls(engine, *UPDATE_CALLS) == [] and engine.health()["ready"]
+
+
+def test_the_raw_logprob_switch_is_cleared(sglang, monkeypatch, llama_dir):
+    """The switch the pinned SGLang reads (recorded from its wheel) set to 1 by the user: the adapter clears
+    it, so log-probs stay temperature-scaled (0.5.3's adapter cleared a name 0.5.23 no longer reads)."""
+    from rlmega.rollout import sglang_engine
+    from rlmega.rollout.sglang_engine import SGLangEngine
+
+    assert sglang_engine.RAW_LOGPROB_ENV in sglang.API["env"]
+    monkeypatch.setenv(sglang.RAW_LOGPROB_ENV, "1")
+    with pytest.warns(UserWarning, match="overridden"):
+        engine = SGLangEngine(llama_dir, enable_deterministic_inference=True)
+    contract.check_samples(engine, llama_dir)
+
+
+def test_the_fake_refuses_what_the_release_does_not_accept(sglang, llama_dir):
+    """Each fake call is bound to the signature recorded from the wheel: a keyword or server argument that
+    0.5.23 does not have fails here, as it would on a GPU."""
+    with pytest.raises(TypeError, match=r"ServerArgs .* has no field\(s\) \['enable_magic'\]"):
+        sglang.Engine(model_path=str(llama_dir), enable_magic=True)
+    engine = sglang.Engine(model_path=str(llama_dir))
+    with pytest.raises(TypeError, match=r"Engine\.update_weights_from_distributed .*'dtypes'"):
+        engine.update_weights_from_distributed(names=[], dtype=[], shapes=[])
+    with pytest.raises(TypeError, match=r"SamplingParams .* has no field\(s\) \['seed'\]"):
+        engine.generate(input_ids=[[1]], sampling_params=[{"seed": 1}])
 
 
 def test_calls_while_paused_abort_without_reaching_sglang(make_engine, llama_dir):
@@ -180,7 +221,18 @@ def test_the_abort_repeats_for_a_call_that_passed_the_pause_check(make_engine, l
 def test_version_gate(sglang, monkeypatch, llama_dir):
     from rlmega.rollout.sglang_engine import SGLangEngine
 
-    monkeypatch.setattr(sglang, "__version__", "0.5.2")
-    with pytest.raises(RuntimeError, match=r"sglang 0\.5\.2 is installed, but rlmega's sglang adapter supports "
-                                           r"sglang>=0\.5\.3,<0\.6"):
+    monkeypatch.setattr(sglang, "__version__", "0.5.3")
+    with pytest.raises(RuntimeError, match=r"sglang 0\.5\.3 is installed, but rlmega's sglang adapter supports "
+                                           r"sglang>=0\.5\.23,<0\.5\.24"):
         SGLangEngine(llama_dir)
+
+
+def test_the_gpu_fixture_arguments_are_accepted(sglang, llama_dir):
+    """CPU twin of tests/gpu/test_sglang_engine.py's fixture: every server argument exists in 0.5.23 and
+    deterministic inference gets an attention backend it supports (0.5.3 refused it without one)."""
+    from gpu.test_sglang_engine import ENGINE_KWARGS
+
+    from rlmega.rollout.sglang_engine import SGLangEngine
+
+    assert ENGINE_KWARGS["attention_backend"] in sglang.API["constants"]["DETERMINISTIC_ATTENTION_BACKEND_CHOICES"]
+    SGLangEngine(llama_dir, **ENGINE_KWARGS).shutdown()

@@ -1,6 +1,6 @@
-"""VLLMEngine against a faithful stand-in for vllm 0.11 (tests/rollout/fakes/fake_vllm.py): the
-RolloutEngine contract, and the vLLM calls the adapter makes. tests/gpu/test_vllm_engine.py runs the
-real engine."""
+"""VLLMEngine against a stand-in for vllm 0.33 (tests/rollout/fakes/fake_vllm.py) whose every call is bound
+to the API recorded from the wheel (fakes/api/vllm.json): the RolloutEngine contract, and the vLLM calls
+the adapter makes. tests/gpu/test_vllm_engine.py runs the real engine."""
 
 import subprocess
 import sys
@@ -40,7 +40,7 @@ def test_engine_arguments_and_sampling_params(make_engine, llama_dir):
     _, model, kwargs = engine.llm.calls[0]
     assert model == str(llama_dir)
     assert kwargs == {"gpu_memory_utilization": 0.5, "skip_tokenizer_init": True, "logprobs_mode": "processed_logprobs",
-                      "enable_sleep_mode": True,
+                      "enable_sleep_mode": True, "weight_transfer_config": {"backend": "nccl"},
                       "worker_extension_cls": "rlmega.rollout.vllm_engine.VLLMWorkerExtension"}
     engine.generate(PROMPTS[:2], [contract.GREEDY, contract.SamplingParams(top_k=5, n=2, seed=3, max_new_tokens=4,
                                                                            stop_token_ids=[9])])
@@ -76,6 +76,24 @@ def test_streamed_update(make_engine, llama_dir, llama_other_dir):
     assert sorted(sent) == sorted(checkpoint_tensors(llama_other_dir))
     assert len(_weight_calls(engine)) > 3  # bucketed by size, not by the producer's chunks
     assert engine.llm.calls.index(("reset_prefix_cache",)) > engine.llm.calls.index(_weight_calls(engine)[-1])
+    # vLLM's own update session around the buckets: layerwise reload, and the version it reports.
+    session = [c for c in engine.llm.calls if c[0] in ("start_weight_update", "finish_weight_update", "collective_rpc")]
+    assert session == [("start_weight_update",)] + _weight_calls(engine) + [("finish_weight_update", "1")]
+    assert engine.llm.weight_version == "1"
+
+
+def test_the_fake_refuses_what_the_release_does_not_accept(vllm, llama_dir):
+    """Each fake call is bound to the signature recorded from the wheel: an engine argument, a keyword or a
+    log-prob mode that 0.33 does not have fails here, as it would on a GPU."""
+    with pytest.raises(TypeError, match=r"EngineArgs .* has no field\(s\) \['enable_magic'\]"):
+        vllm.LLM(str(llama_dir), enable_magic=True)
+    with pytest.raises(ValueError, match="logprobs_mode 'processed'"):
+        vllm.LLM(str(llama_dir), logprobs_mode="processed")
+    llm = vllm.LLM(str(llama_dir))
+    with pytest.raises(TypeError, match=r"LLM\.reset_prefix_cache .*'device'"):
+        llm.reset_prefix_cache(device="cuda")
+    with pytest.raises(RuntimeError, match="set weight_transfer_config"):
+        llm.start_weight_update()
 
 
 def test_bad_updates_send_nothing(make_engine, llama_dir):
@@ -117,7 +135,7 @@ def test_calls_while_paused_abort_without_reaching_vllm(make_engine, llama_dir):
 
 
 def test_pause_does_not_interrupt_a_running_call(make_engine, llama_dir, monkeypatch):
-    """vLLM 0.11's offline LLM.generate cannot be interrupted: a running call completes ("length")."""
+    """The offline LLM.generate is not interrupted: a running call completes ("length")."""
     engine = make_engine(llama_dir)
     in_call, release = threading.Event(), threading.Event()
     generate = engine.llm.generate
@@ -141,9 +159,9 @@ def test_pause_does_not_interrupt_a_running_call(make_engine, llama_dir, monkeyp
 def test_version_gate(vllm, monkeypatch, llama_dir):
     from rlmega.rollout.vllm_engine import VLLMEngine
 
-    monkeypatch.setattr(vllm, "__version__", "0.12.0")
-    with pytest.raises(RuntimeError, match=r"vllm 0\.12\.0 is installed, but rlmega's vllm adapter supports "
-                                           r"vllm>=0\.11,<0\.12"):
+    monkeypatch.setattr(vllm, "__version__", "0.11.0")
+    with pytest.raises(RuntimeError, match=r"vllm 0\.11\.0 is installed, but rlmega's vllm adapter supports "
+                                           r"vllm>=0\.33,<0\.34"):
         VLLMEngine(llama_dir)
 
 

@@ -184,12 +184,15 @@ class FakeAsyncEngines(FakeEngines):
 
     def _run(self, prompts, params, version) -> list[Generation]:
         targets = []
-        for prompt in prompts:
+        for prompt, request in zip(prompts, params):
             a, b = re.findall(r"(\d+)\+(\d+)=", self.tokenizer.decode(prompt))[-1]
             text = self.tokenizer.decode(prompt, skip_special_tokens=True).rsplit("=", 1)[1]  # answered before
-            answer = self.tokenizer.encode(str(int(a) + int(b)), add_special_tokens=False) + [self.stop_token_id]
+            right, wrong = str(int(a) + int(b)), str(int(a) + int(b) + 1)
+            # A third of the responses (by seed) are off by one; a continuation carries on with what it began.
+            answer = (right if right.startswith(text) else wrong) if text else (wrong if request.seed % 3 == 0 else right)
+            tokens = self.tokenizer.encode(answer, add_special_tokens=False) + [self.stop_token_id]
             done = len(self.tokenizer.encode(text, add_special_tokens=False)) if text else 0
-            targets.append(answer[done:])
+            targets.append(tokens[done:])
         emitted = [[] for _ in prompts]
         finish = [None] * len(prompts)
         first = True

@@ -3,6 +3,7 @@ weight version of every token; partial rollouts that carry mixed versions into t
 token's own behaviour log-prob; restart instead of continue; stale groups regenerated or dropped; a
 resume that neither loses nor repeats a prompt; one-step-off's delayed-rollout equivalence."""
 
+import json
 import math
 
 import pytest
@@ -105,6 +106,18 @@ def test_restart_throws_partial_responses_away(tmp_path, assets):
     for rollouts in recording.taken.values():
         for versions in rollouts.token_versions:
             assert len(set(versions.tolist())) == 1
+
+
+def test_dynamic_sampling_drops_equal_groups_in_async_mode(tmp_path, assets):
+    trainer, actor, _, recording = _async_trainer(tmp_path, assets, "algo=dapo", "rollout.n=3",
+                                                  "actor.policy_loss.kl_loss_coef=0")
+    assert trainer.fit() == 0
+    for rollouts in recording.taken.values():
+        for group in set(rollouts.group_ids):
+            scores = rollouts.scores[[i for i, g in enumerate(rollouts.group_ids) if g == group]]
+            assert len(scores) == 3 and scores.max() > scores.min()  # only mixed groups are trained on
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sum(row["batch/dropped_groups"] for row in rows) > 0
 
 
 @pytest.mark.parametrize("policy", ["regenerate", "drop"])

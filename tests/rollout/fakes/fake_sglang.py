@@ -1,41 +1,51 @@
-"""A stand-in for the ``sglang`` package (0.5.3), installed as ``sys.modules["sglang"]`` by the tests.
+"""A stand-in for the ``sglang`` package (0.5.23), installed as ``sys.modules["sglang"]`` by the tests.
 
-``Engine``'s methods and signatures are SGLang 0.5.3's, from its wheel (sglang/srt/entrypoints/engine.py).
-Behaviour the adapter relies on is reproduced: sampling-parameter dicts as in
-sglang/srt/sampling/sampling_params.py (temperature 0 -> top_k 1, top_k -1 for all, ``sampling_seed``
-used only with ``enable_deterministic_inference``); Req.check_finished in
-sglang/srt/managers/schedule_batch.py (length tested first; ``ignore_eos`` disables the EOS ids *and*
-``stop_token_ids``); the log-probs of sglang/srt/layers/sampler.py (``log_softmax(logits / temperature)``
-unless ``RETURN_ORIGINAL_LOGPROB`` was set when the engine started); update calls returning
-``(success, message)``; release/resume of the "weights" and "kv_cache" tags, which free nothing without
-``enable_memory_saver`` and keep the weights only with ``enable_weights_cpu_backup``. Calls are recorded
-in ``calls``.
+Every ``Engine`` call is bound to the signature recorded from the 0.5.23 wheel (``api/sglang.json``, via
+``api_snapshot.check_call``), server arguments and sampling-parameter keys are checked against the recorded
+fields, and the log-prob switch the fake reads is the one the wheel reads. Behaviour the adapter relies on
+is reproduced: sampling-parameter dicts as in sglang/srt/sampling/sampling_params.py (temperature 0 ->
+top_k 1, top_k -1 for all, ``sampling_seed`` used only with ``enable_deterministic_inference``, which needs
+an attention backend from ``DETERMINISTIC_ATTENTION_BACKEND_CHOICES`` when one is named);
+Req.check_finished (length tested first; ``ignore_eos`` disables the EOS ids *and* ``stop_token_ids``);
+the log-probs of sglang/srt/layers/sampler.py (``log_softmax(logits / temperature)`` unless
+``SGLANG_RETURN_ORIGINAL_LOGPROB`` was set when the engine started); weight updates that run only inside
+a ``begin_weight_update`` / ``end_weight_update`` session
+(sglang/srt/managers/scheduler_components/weight_updater.py) and return ``(success, message)``; a
+distributed update for a group that was never joined fails (``receive_weights_from_distributed`` asserts);
+release/resume of the "weights" and "kv_cache" tags, which free nothing without ``enable_memory_saver``
+and keep the weights only with ``enable_weights_cpu_backup``. Calls are recorded in ``calls``.
 
-Threads and aborts, as in 0.5.3: every method runs on ``asyncio.get_event_loop()`` (none in a thread that
-has not set one), and the TokenizerManager binds to the loop of its first call (auto_create_handle_loop),
-so a call on another loop fails. ``TokenizerManager.abort_request`` must run on that loop (it sends on the
-loop's zmq socket). The scheduler (here: decoding in an executor thread, one request after another) aborts
-what it holds (Scheduler.abort_request): a queued request comes back without ``output_ids``
-(TokenizerManager._handle_abort_req), a running one after one more token, with its tokens and log-probs.
+Threads and aborts, as in 0.5.23: the ``Engine`` binds the event loop of the thread that builds it
+(``Engine._ensure_event_loop``) and every method runs ``self.loop.run_until_complete``; a second thread
+entering while a call runs fails ("This event loop is already running"). ``TokenizerManager.abort_request``
+runs on that loop. The scheduler (here: decoding in an executor thread, one request after another) aborts
+what it holds (Scheduler.abort_request): a queued request comes back without ``output_ids``, a running one
+after one more token, with its tokens and log-probs.
 """
 
 from __future__ import annotations
 
+import functools
 import asyncio
 import itertools
 import json
 import os
 import threading
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
 from rlmega.rollout.weight_group import init_weight_update_group, receive_weights
 
+from . import api_snapshot
 from .tiny_backend import TinyCausalLM
 
-__version__ = "0.5.3"
+API = api_snapshot.load("sglang")
+__version__ = API["version"]
+RAW_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"  # sglang/srt/layers/sampler.py, read at import
+api_snapshot.check_env(API, RAW_LOGPROB_ENV)
+
+checked = functools.partial(api_snapshot.checked, API)
 
 
 def _eos_ids(model_path: str) -> set[int]:
@@ -51,19 +61,12 @@ def _eos_ids(model_path: str) -> set[int]:
 class TokenizerManager:
     """What the adapter reaches of sglang/srt/managers/tokenizer_manager.py's TokenizerManager."""
 
-    def __init__(self):
-        self.event_loop: Optional[asyncio.AbstractEventLoop] = None
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.event_loop = loop
         self.rid_to_state: dict[str, threading.Event] = {}  # requests the scheduler holds -> their to_abort
         self.aborts = 0  # AbortReq messages sent
 
-    def auto_create_handle_loop(self) -> asyncio.AbstractEventLoop:
-        loop = asyncio.get_event_loop()  # RuntimeError in a thread without a loop, as in SGLang
-        if self.event_loop is None:
-            self.event_loop = loop
-        elif loop is not self.event_loop:
-            raise RuntimeError("the TokenizerManager's handle loop and zmq sockets are attached to a different loop")
-        return loop
-
+    @checked("TokenizerManager.abort_request")
     def abort_request(self, rid: str = "", abort_all: bool = False):
         if asyncio.get_running_loop() is not self.event_loop:  # RuntimeError outside any loop
             raise RuntimeError("abort_request sends on the handle loop's zmq socket: call it on that loop")
@@ -73,33 +76,56 @@ class TokenizerManager:
                 to_abort.set()
 
 
+def _ensure_event_loop() -> asyncio.AbstractEventLoop:  # Engine._ensure_event_loop
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    try:
+        return asyncio.get_event_loop_policy().get_event_loop()
+    except RuntimeError:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        return loop
+
+
 class Engine:
     def __init__(self, **kwargs):
+        api_snapshot.check_fields(API, "ServerArgs", kwargs)
+        backend = kwargs.get("attention_backend")
+        choices = API["constants"]["DETERMINISTIC_ATTENTION_BACKEND_CHOICES"]
+        if kwargs.get("enable_deterministic_inference") and backend is not None and backend not in choices:
+            raise ValueError(f"Currently only {choices} attention backends are supported for deterministic "
+                             f"inference, but you explicitly specified '{backend}'.")
         self.server_args = kwargs
-        self.tokenizer_manager = TokenizerManager()
+        self.loop = _ensure_event_loop()
+        self.tokenizer_manager = TokenizerManager(self.loop)
         self._rids = itertools.count()
         self.calls: list[tuple] = [("__init__", dict(kwargs))]
         self.model = TinyCausalLM(kwargs["model_path"])
         self._eos = _eos_ids(kwargs["model_path"])
         # Read by the scheduler processes when they import sglang/srt/layers/sampler.py.
-        self._raw_logprobs = os.environ.get("RETURN_ORIGINAL_LOGPROB", "false").lower() in ("1", "true")
+        self._raw_logprobs = os.environ.get(RAW_LOGPROB_ENV, "false").lower() in ("1", "true")
         self._released: set[str] = set()
         self._backup: list[torch.Tensor] = []
         self._groups: dict = {}
+        self._session = False  # a begin_weight_update / end_weight_update session is open
 
-    def generate(self, prompt: Optional[Union[List[str], str]] = None,
-                 sampling_params: Optional[Union[List[Dict], Dict]] = None,
-                 input_ids: Optional[Union[List[List[int]], List[int]]] = None, image_data=None, audio_data=None,
-                 video_data=None, return_logprob: Optional[Union[List[bool], bool]] = False,
-                 logprob_start_len: Optional[Union[List[int], int]] = None,
-                 top_logprobs_num: Optional[Union[List[int], int]] = None, token_ids_logprob=None, lora_path=None,
-                 custom_logit_processor=None, return_hidden_states: bool = False, stream: bool = False,
-                 bootstrap_host=None, bootstrap_port=None, bootstrap_room=None, data_parallel_rank=None):
-        loop = self.tokenizer_manager.auto_create_handle_loop()
+    def _run(self, coroutine):
+        return self.loop.run_until_complete(coroutine)  # fails if another thread is running the loop
+
+    async def _now(self, value):
+        return value
+
+    @checked("Engine.generate")
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
+                 logprob_start_len=None, **_):
         if self._released:
             raise RuntimeError("generate called while memory is released")
+        for params in sampling_params:
+            api_snapshot.check_fields(API, "SamplingParams", params)
         self.calls.append(("generate", input_ids, sampling_params, return_logprob, logprob_start_len))
-        return loop.run_until_complete(self._in_scheduler(loop, input_ids, sampling_params, return_logprob))
+        return self._run(self._in_scheduler(self.loop, input_ids, sampling_params, return_logprob))
 
     async def _in_scheduler(self, loop, input_ids, sampling_params, return_logprob):
         requests = [(str(next(self._rids)), ids, params, threading.Event())
@@ -140,51 +166,76 @@ class Engine:
                 outputs.append({"output_ids": tokens, "meta_info": meta})
         return outputs
 
-    def update_weights_from_tensor(self, named_tensors: List[Tuple[str, torch.Tensor]],
-                                   load_format: Optional[str] = None, flush_cache: bool = True):
-        self.tokenizer_manager.auto_create_handle_loop()
+    @checked("Engine.begin_weight_update")
+    def begin_weight_update(self, selector: str = "all"):
+        self.calls.append(("begin_weight_update",))
+        if self._session:
+            return self._run(self._now((False, "a weight-update session is already open; "
+                                               "call end_weight_update() first")))
+        self._session = True
+        return self._run(self._now((True, "Success")))
+
+    @checked("Engine.end_weight_update")
+    def end_weight_update(self):
+        self.calls.append(("end_weight_update",))
+        if not self._session:
+            return self._run(self._now((False, "no weight-update session is open; "
+                                               "call begin_weight_update() first")))
+        self._session = False
+        return self._run(self._now((True, "Success")))
+
+    def _outside_session(self, what: str):
+        return False, f"{what} must run between begin_weight_update() and end_weight_update()"
+
+    @checked("Engine.update_weights_from_tensor")
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
         self.calls.append(("update_weights_from_tensor", [name for name, _ in named_tensors], load_format,
                            flush_cache))
+        if not self._session:
+            return self._run(self._now(self._outside_session("update_weights_from_tensor")))
         if "weights" in self._released:
             raise RuntimeError("scheduler died: weights written while their memory is released")
-        self.model.load_weights(named_tensors)  # a bad name kills the scheduler process in SGLang
-        return True, "Success"
+        self.model.load_weights(named_tensors)
+        return self._run(self._now((True, "Success")))
 
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str, backend: str = "nccl"):
-        self.tokenizer_manager.auto_create_handle_loop()
+    @checked("Engine.init_weights_update_group")
+    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
+                                  backend="nccl"):
         self.calls.append(("init_weights_update_group", master_address, master_port, rank_offset, world_size,
                            group_name, backend))
         self._groups[group_name] = init_weight_update_group(master_address, master_port, rank_offset + 0, world_size,
                                                             group_name, backend)
-        return True, "Succeeded to initialize custom process group."
+        return self._run(self._now((True, "Succeeded to initialize custom process group.")))
 
-    def destroy_weights_update_group(self, group_name: str):
-        self.tokenizer_manager.auto_create_handle_loop()
+    @checked("Engine.destroy_weights_update_group")
+    def destroy_weights_update_group(self, group_name):
         self.calls.append(("destroy_weights_update_group", group_name))
         if group_name not in self._groups:
-            return False, "The group to be destroyed does not exist."
+            return self._run(self._now((False, "The group to be destroyed does not exist.")))
         torch.distributed.destroy_process_group(self._groups.pop(group_name))
-        return True, "Succeeded to destroy custom process group."
+        return self._run(self._now((True, "Succeeded to destroy custom process group.")))
 
-    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                        group_name: str = "weight_update_group", flush_cache: bool = True):
-        self.tokenizer_manager.auto_create_handle_loop()
+    @checked("Engine.update_weights_from_distributed")
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
+                                        flush_cache=True, load_format=None):
         self.calls.append(("update_weights_from_distributed", names, dtypes, shapes, group_name, flush_cache))
-        if group_name not in self._groups:
-            return False, f"Group {group_name} not in {list(self._groups)}"
+        if not self._session:
+            return self._run(self._now(self._outside_session("update_weights_from_distributed")))
+        if group_name not in self._groups:  # model_runner_components/weight_updater.py asserts
+            return self._run(self._now((False, f"Failed to receive weights: Group {group_name} not in "
+                                               f"{list(self._groups)}. Please call `init_weights_update_group` first.")))
         if "weights" in self._released:
             raise RuntimeError("scheduler died: weights written while their memory is released")
         self.model.load_weights(receive_weights(self._groups[group_name], list(zip(names, dtypes, shapes)), "cpu"))
-        return True, "Succeeded to update parameter online."
+        return self._run(self._now((True, "Succeeded to update parameter online.")))
 
+    @checked("Engine.flush_cache")
     def flush_cache(self):
-        self.tokenizer_manager.auto_create_handle_loop()
         self.calls.append(("flush_cache",))
-        return True
+        return self._run(self._now(True))
 
-    def release_memory_occupation(self, tags: Optional[List[str]] = None):
-        self.tokenizer_manager.auto_create_handle_loop()
+    @checked("Engine.release_memory_occupation")
+    def release_memory_occupation(self, tags=None):
         self.calls.append(("release_memory_occupation", tags))
         tags = tags or ["weights", "kv_cache"]
         if not self.server_args.get("enable_memory_saver"):
@@ -195,15 +246,18 @@ class Engine:
             for p in params:
                 p.data.fill_(float("nan"))
         self._released.update(tags)
+        self._run(self._now(None))
 
-    def resume_memory_occupation(self, tags: Optional[List[str]] = None):
-        self.tokenizer_manager.auto_create_handle_loop()
+    @checked("Engine.resume_memory_occupation")
+    def resume_memory_occupation(self, tags=None):
         self.calls.append(("resume_memory_occupation", tags))
         tags = tags or ["weights", "kv_cache"]
         if "weights" in tags and "weights" in self._released:
             for p, saved in zip(self.model.parameters(), self._backup):
                 p.data.copy_(saved)
         self._released.difference_update(tags)
+        self._run(self._now(None))
 
+    @checked("Engine.shutdown")
     def shutdown(self):
         self.calls.append(("shutdown",))

@@ -1,6 +1,10 @@
-"""A stand-in for the ``vllm`` package (0.11.0), installed as ``sys.modules["vllm"]`` by the tests.
+"""A stand-in for the ``vllm`` package (0.33.0), installed as ``sys.modules["vllm"]`` by the tests.
 
-Names and signatures are vLLM 0.11.0's, from its wheel: ``LLM`` from vllm/entrypoints/llm.py,
+Every ``LLM`` call is bound to the signature recorded from the 0.33.0 wheel (``api/vllm.json``, via
+``api_snapshot.check_call``); engine arguments, ``SamplingParams`` and ``CompletionOutput`` fields and the
+``logprobs_mode`` choices are checked against the recorded ones. ``LLM`` from vllm/entrypoints/llm.py and
+vllm/entrypoints/rl/offline.py (``start_weight_update`` / ``finish_weight_update``, which need
+``weight_transfer_config``),
 ``SamplingParams`` from vllm/sampling_params.py, ``CompletionOutput`` / ``RequestOutput`` from
 vllm/outputs.py, ``Logprob`` from vllm/logprobs.py. Behaviour the adapter relies on is reproduced:
 ``n > 1`` with greedy is refused, children of an ``n > 1`` request get ``seed + index``, the
@@ -11,6 +15,7 @@ slept through cannot be written until ``wake_up(tags=["weights"])``. Every call 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 from dataclasses import dataclass
@@ -19,9 +24,13 @@ from typing import Any, Optional, Union
 
 import torch
 
+from . import api_snapshot
 from .tiny_backend import TinyCausalLM
 
-__version__ = "0.11.0"
+API = api_snapshot.load("vllm")
+__version__ = API["version"]
+
+checked = functools.partial(api_snapshot.checked, API)
 
 _MAX_TEMP = 1e-2  # vllm/sampling_params.py
 _SAMPLING_EPS = 1e-5
@@ -98,6 +107,11 @@ class SamplingParams:  # vllm/sampling_params.py: the fields, defaults and check
                 raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
 
 
+api_snapshot.check_fields(API, "SamplingParams", SamplingParams.__dataclass_fields__)
+api_snapshot.check_fields(API, "CompletionOutput", CompletionOutput.__dataclass_fields__)
+api_snapshot.check_fields(API, "Logprob", Logprob.__dataclass_fields__)
+
+
 class FakeWorker:
     """The parts of vllm/v1/worker/gpu_worker.py's Worker that a worker extension reaches."""
 
@@ -112,9 +126,15 @@ class FakeWorker:
 class LLM:
     """vllm/entrypoints/llm.py: ``LLM(model, *, ..., **kwargs)`` with the engine arguments as kwargs."""
 
+    @checked("LLM.__init__")
     def __init__(self, model: str, *, tokenizer: Optional[str] = None, skip_tokenizer_init: bool = False,
                  tensor_parallel_size: int = 1, dtype: str = "auto", seed: Optional[int] = None,
-                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = False, **kwargs: Any) -> None:
+                 gpu_memory_utilization: float = 0.92, enforce_eager: bool = False, **kwargs: Any) -> None:
+        api_snapshot.check_fields(API, "EngineArgs", kwargs)  # the rest go to EngineArgs
+        if kwargs.get("logprobs_mode", "raw_logprobs") not in API["constants"]["LogprobsMode"]:
+            raise ValueError(f"logprobs_mode {kwargs['logprobs_mode']!r} not in {API['constants']['LogprobsMode']}")
+        if kwargs.get("weight_transfer_config") is not None:
+            api_snapshot.check_fields(API, "WeightTransferConfig", kwargs["weight_transfer_config"])
         self.calls: list[tuple] = [("__init__", model, dict(kwargs, skip_tokenizer_init=skip_tokenizer_init,
                                                              gpu_memory_utilization=gpu_memory_utilization))]
         self.engine_args = dict(kwargs, skip_tokenizer_init=skip_tokenizer_init,
@@ -130,9 +150,11 @@ class LLM:
         self.worker = worker_class(self.model)
         self._asleep: dict[str, int] = {}  # tag -> sleep level
         self._offloaded: list[torch.Tensor] = []
+        self._updating = False
+        self.weight_version: Optional[str] = None
 
-    def generate(self, prompts, sampling_params=None, *, use_tqdm=True, lora_request=None,
-                 priority=None) -> list[RequestOutput]:
+    @checked("LLM.generate")
+    def generate(self, prompts, sampling_params=None, *, use_tqdm=True, **_) -> list[RequestOutput]:
         if self._asleep:
             raise RuntimeError("generate called while the engine sleeps")
         if isinstance(sampling_params, SamplingParams):
@@ -157,6 +179,26 @@ class LLM:
             results.append(RequestOutput(str(request_id), None, prompt["prompt_token_ids"], None, completions, True))
         return results
 
+    def _check_weight_transfer(self) -> None:  # vllm/v1/worker/gpu_worker.py: _check_weight_transfer_engine
+        if self.engine_args.get("weight_transfer_config") is None:
+            raise RuntimeError("Weight transfer not configured. Please set weight_transfer_config to enable "
+                               "weight transfer.")
+
+    @checked("RLOfflineMixin.start_weight_update")
+    def start_weight_update(self) -> None:
+        self._check_weight_transfer()
+        self.calls.append(("start_weight_update",))
+        self._updating = True
+
+    @checked("RLOfflineMixin.finish_weight_update")
+    def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
+        self._check_weight_transfer()
+        self.calls.append(("finish_weight_update", weight_version))
+        self._updating = False
+        if weight_version is not None:
+            self.weight_version = weight_version
+
+    @checked("LLM.collective_rpc")
     def collective_rpc(self, method, timeout: Optional[float] = None, args: tuple = (),
                        kwargs: Optional[dict[str, Any]] = None) -> list:
         self.calls.append(("collective_rpc", method, args))
@@ -164,11 +206,13 @@ class LLM:
             raise RuntimeError("CUDA error: an illegal memory access (weights written while asleep)")
         return [getattr(self.worker, method)(*args, **(kwargs or {}))]
 
-    def reset_prefix_cache(self, device=None) -> bool:
+    @checked("LLM.reset_prefix_cache")
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         self.calls.append(("reset_prefix_cache",))
         return True
 
-    def sleep(self, level: int = 1):
+    @checked("LLM.sleep")
+    def sleep(self, level: int = 1, mode: str = "abort"):
         if not self.engine_args.get("enable_sleep_mode"):
             raise ValueError("Sleep mode is not enabled. Please compile with enable_sleep_mode=True")
         self.calls.append(("sleep", level))
@@ -179,6 +223,7 @@ class LLM:
             p.data.fill_(float("nan"))  # device memory released: its contents are gone
         self._asleep = {"weights": level, "kv_cache": level}
 
+    @checked("LLM.wake_up")
     def wake_up(self, tags: Optional[list[str]] = None):
         self.calls.append(("wake_up", tags))
         tags = tags or ["weights", "kv_cache"]

@@ -1,0 +1,120 @@
+"""The engine extras of setup.py install together with the rest of rlmega's pins, and the pinned engines
+read the checkpoints that our transformers writes.
+
+``test_extra_resolves`` runs pip's resolver over setup.py's requirements plus one extra, without
+installing or downloading any wheel: ``pip install --dry-run --ignore-installed`` with ``fast-deps``,
+which reads each wheel's metadata through HTTP range requests (the multi-GB CUDA wheels are never
+fetched; about a minute per extra). It needs the package index; without it the test skips.
+``test_a_conflicting_pin_fails`` proves the check can fail: the torch bound rlmega had before
+(``<2.14``) cannot go with vllm 0.33, which pins torch 2.14.0.
+
+The other tests read the API snapshot (fakes/api/*.json, from the wheels) and need neither the index nor
+the wheels.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from .fakes import api_snapshot
+from .tiny_models import save_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def setup_requirements() -> tuple[list[str], dict[str, list[str]]]:
+    """``INSTALL_REQUIRES`` and ``EXTRAS_REQUIRE``, read from setup.py without running it."""
+    values = {}
+    for node in ast.parse((ROOT / "setup.py").read_text()).body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            if node.targets[0].id in ("INSTALL_REQUIRES", "EXTRAS_REQUIRE"):
+                values[node.targets[0].id] = ast.literal_eval(node.value)
+    return values["INSTALL_REQUIRES"], values["EXTRAS_REQUIRE"]
+
+
+def resolve(requirements: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    requirements_file = tmp_path / "requirements.txt"
+    requirements_file.write_text("\n".join(requirements) + "\n")
+    return subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+         "--use-feature=fast-deps", "--report", str(tmp_path / "report.json"), "-r", str(requirements_file)],
+        capture_output=True, text=True, timeout=900)
+
+
+def _index_reachable() -> bool:
+    result = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "packaging"], capture_output=True,
+                            text=True, timeout=120)
+    return result.returncode == 0
+
+
+needs_index = pytest.mark.skipif(not _index_reachable(), reason="the package index is not reachable")
+
+
+@needs_index
+@pytest.mark.parametrize("extra", ["vllm", "sglang"])
+def test_extra_resolves(extra, tmp_path):
+    install_requires, extras = setup_requirements()
+    result = resolve(install_requires + extras[extra], tmp_path)
+    assert result.returncode == 0, f"rlmega[{extra}] does not resolve:\n{result.stderr[-4000:]}"
+    installed = {item["metadata"]["name"].lower(): item["metadata"]["version"]
+                 for item in json.loads((tmp_path / "report.json").read_text())["install"]}
+    api = api_snapshot.load(extra)
+    assert installed[extra] == api["version"], "the snapshot is not of the release pip picks: regenerate it"
+
+
+@needs_index
+def test_a_conflicting_pin_fails(tmp_path):
+    install_requires, extras = setup_requirements()
+    pinned = [("torch>=2.6,<2.14" if Requirement(r).name == "torch" else r) for r in install_requires]
+    result = resolve(pinned + extras["vllm"], tmp_path)
+    assert result.returncode != 0 and "ResolutionImpossible" in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize("package", ["vllm", "sglang"])
+def test_our_pins_admit_the_engine_pins(package):
+    """Offline half of the resolver check: the engine's own pins on torch and transformers (from its wheel)
+    meet ours. vllm 0.11 with transformers 5 (it declared no upper bound) is the pairing this rules out."""
+    install_requires, extras = setup_requirements()
+    ours = {Requirement(r).name: Requirement(r).specifier for r in install_requires}
+    api = api_snapshot.load(package)
+    assert Requirement(extras[package][0]).specifier.contains(api["version"])
+    for name, spec in api["requires"].items():
+        engine = SpecifierSet(spec)
+        pinned = [s.version for s in engine if s.operator in ("==", "===")]
+        candidates = pinned or [s.version for s in engine if s.operator in (">=", ">")]
+        assert any(ours[name].contains(Version(v)) and engine.contains(Version(v)) for v in candidates), \
+            f"{package} {api['version']} needs {name}{spec}, rlmega allows {name}{ours[name]}"
+
+
+def rope_keys_missing(engine_keys: list[str], config: dict) -> list[str]:
+    """Keys the engine's model code reads for the RoPE base that a checkpoint's config does not carry."""
+    text = config.get("text_config", config)
+    return [key for key in engine_keys if key not in ("rope_scaling",) and key not in text]
+
+
+@pytest.mark.parametrize("package", ["vllm", "sglang"])
+@pytest.mark.parametrize("model", ["llama", "qwen3_moe"])
+def test_the_engine_reads_the_rope_base_our_transformers_writes(package, model, tmp_path):
+    """transformers 5 writes ``rope_parameters`` (with ``rope_theta`` inside) and no top-level
+    ``rope_theta``: an engine whose model code reads only ``rope_theta`` (vllm 0.11's llama.py) runs Llama-3
+    and Qwen3-MoE with the wrong RoPE base, silently."""
+    directory = save_tiny_model(model.replace("_", "-"), tmp_path, seed=0)
+    config = json.loads((Path(directory) / "config.json").read_text())
+    keys = api_snapshot.load(package)["rope_config_keys"][model]
+    assert "rope_parameters" in keys or not rope_keys_missing(keys, config), \
+        f"{package} reads {keys} for {model}; the checkpoint has {sorted(config)}"
+
+
+def test_the_rope_check_catches_vllm_0_11(tmp_path):
+    directory = save_tiny_model("llama", tmp_path, seed=0)
+    config = json.loads((Path(directory) / "config.json").read_text())
+    assert rope_keys_missing(["rope_theta"], config) == ["rope_theta"]  # what vllm 0.11's llama.py reads
