@@ -62,7 +62,7 @@ def _gather(param, group, tp_rank: int, tp: int) -> torch.Tensor:
     tensor = param.tensor.detach()
     if param.partition_dim is None or tp == 1:
         return tensor
-    full = torch.empty(gathered_shape(param, tp), dtype=tensor.dtype)
+    full = torch.empty(gathered_shape(param, tp), dtype=tensor.dtype, device=tensor.device)
     for shard_rank, block in enumerate(full.chunk(tp, dim=param.partition_dim)):
         target = block if block.is_contiguous() else torch.empty_like(tensor)
         if shard_rank == tp_rank:
@@ -120,12 +120,20 @@ def _fill(units: list[_Unit], exported: dict, geometry) -> Optional[torch.Tensor
             if len(units) == 1 and len(unit.tensors) == 1:
                 return tensor.contiguous()
             if buffer is None:
-                buffer = torch.empty(nbytes, dtype=torch.uint8)
+                buffer = torch.empty(nbytes, dtype=torch.uint8, device=tensor.device)
             size = tensor.numel() * tensor.element_size()
             buffer[offset : offset + size].copy_(tensor.contiguous().view(-1).view(torch.uint8))
             offset += size
         del gathered
     return buffer
+
+
+def _payload_device() -> torch.device:
+    """Where payloads are packed and received: on the GPU under NCCL, which moves only CUDA tensors
+    (and the CUDA IPC transport shares device buckets); on the CPU under gloo."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _deliver(payload: Optional[torch.Tensor], owner: int, template: torch.Tensor, destinations) -> Optional[torch.Tensor]:
@@ -176,17 +184,18 @@ def export_hf_buckets(
             raise ValueError(f"destinations {invalid} are not ranks of this job (world size {dist.get_world_size()})")
     geometry = geometry_of(spec)
     exported = _exported_params(chunks, spec)
+    device = _payload_device()
     for bucket in bucketed(_announce(exported, spec), lambda unit: unit.nbytes, bucket_bytes):
         for owner in sorted({unit.owner for unit in bucket}):
             units = [unit for unit in bucket if unit.owner == owner]
             payload = _fill(units, exported, geometry)
             if len(units) == 1 and len(units[0].tensors) == 1:
                 name, shape, dtype = units[0].tensors[0]
-                payload = _deliver(payload, owner, torch.empty(shape, dtype=dtype), destinations)
+                payload = _deliver(payload, owner, torch.empty(shape, dtype=dtype, device=device), destinations)
                 if payload is not None:
                     yield [(name, payload)]
                 continue
-            template = torch.empty(sum(unit.nbytes for unit in units), dtype=torch.uint8)
+            template = torch.empty(sum(unit.nbytes for unit in units), dtype=torch.uint8, device=device)
             payload = _deliver(payload, owner, template, destinations)
             if payload is None:
                 continue

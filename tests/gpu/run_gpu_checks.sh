@@ -1,20 +1,138 @@
 #!/usr/bin/env bash
-# On a CUDA machine: install the GPU extras and run every gpu-marked test in one go.
-# vLLM, SGLang and transformer-engine pin different torch builds, so each gets its own virtual
-# environment; the worker's GPU tests run in each (TE's THD and context-parallel checks only in "gpu").
-# Usage: bash tests/gpu/run_gpu_checks.sh [extra pytest args]
+# The GPU checks, in two tiers, one PASS / FAIL / SKIP line per check.
+#
+#   --tier minimal  one CUDA GPU, no network: the Python that is there (torch, transformers, megatron-core,
+#                   pytest; no Ray, vLLM, SGLang or transformer-engine). Megatron workers on CUDA in bf16,
+#                   the bridge's export of CUDA tensors, the hf engine on CUDA, an in-process sync and the
+#                   post-sync check. Installs nothing; about 5 minutes, each check bounded by --check-timeout.
+#   --tier cluster  a node with the GPU extras' wheels reachable: one virtual environment per extra (vLLM,
+#                   SGLang and transformer-engine pin different torch builds), each running its engine's and
+#                   the worker's checks, then every other gpu-marked test there.
+#
+# Each check is a gpu-marked pytest test; its CPU contract twin runs everywhere (see tests/gpu/*.py).
 set -euo pipefail
+
+usage() {
+    cat <<'EOF'
+Usage: bash tests/gpu/run_gpu_checks.sh [--tier minimal|cluster] [--check-timeout SECONDS] [--list] [-- PYTEST_ARGS...]
+
+  --tier minimal        (default) single GPU, air-gapped: runs with $PYTHON (default: python3), installs nothing
+  --tier cluster        per extra in $RLMEGA_GPU_EXTRAS (default: "vllm sglang gpu"): a venv
+                        $RLMEGA_GPU_VENV_PREFIX-<extra> (default: .venv-gpu-<extra>), pip install -e .[test,<extra>]
+  --check-timeout S     wall-clock limit of one check (default: 300)
+  --list                print the checks of the tier and exit
+  -h, --help            this text
+
+Prints one line per check: PASS|FAIL|SKIP <check> (<seconds>s), then a summary; exits 1 if any check failed (on the minimal tier, also if any was skipped).
+EOF
+}
+
+tier=minimal
+check_timeout=300
+list_only=0
+pytest_args=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --tier) [ $# -ge 2 ] || { echo "--tier needs a value" >&2; usage >&2; exit 2; }; tier="$2"; shift 2 ;;
+        --tier=*) tier="${1#--tier=}"; shift ;;
+        --check-timeout) [ $# -ge 2 ] || { echo "--check-timeout needs a value" >&2; exit 2; }; check_timeout="$2"; shift 2 ;;
+        --check-timeout=*) check_timeout="${1#--check-timeout=}"; shift ;;
+        --list) list_only=1; shift ;;
+        -h|--help) usage; exit 0 ;;
+        --) shift; pytest_args=("$@"); break ;;
+        *) echo "unknown argument: $1" >&2; usage >&2; exit 2 ;;
+    esac
+done
+case "$tier" in minimal|cluster) ;; *) echo "--tier must be minimal or cluster, not '$tier'" >&2; exit 2 ;; esac
+case "$check_timeout" in ''|*[!0-9]*) echo "--check-timeout must be a whole number of seconds" >&2; exit 2 ;; esac
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
-python="${PYTHON:-python3}"
-status=0
-for extra in ${RLMEGA_GPU_EXTRAS:-vllm sglang gpu}; do
-    venv="${RLMEGA_GPU_VENV_PREFIX:-$root/.venv-gpu}-$extra"
-    [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
-    "$venv/bin/python" -m pip install -q -e ".[test,$extra]"
-    "$venv/bin/python" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
-    # Every gpu-marked test; tests of packages not in this environment skip (importorskip).
-    "$venv/bin/python" -m pytest -m gpu tests -q -rs "$@" || status=1
-done
-exit $status
+
+# check name -> pytest node ids (space-separated)
+MINIMAL_CHECKS=(
+    "worker-logprobs-vs-transformers|tests/gpu/test_worker_gpu.py::test_worker_logprobs_match_hf_on_gpu"
+    "worker-bf16-update-vs-fp32-cpu|tests/gpu/test_minimal_tier.py::test_bf16_update_on_gpu_follows_the_fp32_cpu_update"
+    "worker-packed-equals-padded|tests/gpu/test_worker_gpu.py::test_packed_update_equals_padded_on_gpu"
+    "worker-offload-onload-bit-exact|tests/gpu/test_minimal_tier.py::test_offload_onload_is_bit_exact_on_gpu"
+    "distributed-optimizer-nccl-ws1|tests/gpu/test_minimal_tier.py::test_distributed_optimizer_over_nccl_equals_the_plain_one"
+    "bridge-export-cuda-bf16|tests/gpu/test_minimal_tier.py::test_bridge_exports_cuda_bf16_tensors"
+    "hf-engine-cuda-bf16|tests/gpu/test_minimal_tier.py::test_hf_engine_on_gpu_in_bf16"
+    "sync-in-process-post-sync-check-bf16|tests/gpu/test_minimal_tier.py::test_in_process_sync_and_post_sync_check_in_bf16"
+    "sync-shared-memory-cuda-ipc|tests/sync/test_gpu.py::test_shared_memory_moves_cuda_buckets_through_cuda_ipc"
+)
+
+engine_checks() {  # the checks of one extra's environment
+    case "$1" in
+        vllm|sglang) echo \
+            "$1-greedy-and-logprobs-vs-hf|tests/gpu/test_$1_engine.py::test_greedy_and_logprobs_match_hf" \
+            "$1-update-sleep-wake|tests/gpu/test_$1_engine.py::test_update_sleep_wake" \
+            "$1-logprobs-vs-trainer|tests/gpu/test_engine_cluster.py::test_engine_logprobs_equal_the_trainer_after_sync[$1]" \
+            "$1-sleep-sync-wake-memory|tests/gpu/test_engine_cluster.py::test_sleep_sync_wake_returns_memory_to_baseline[$1]" ;;
+        gpu) echo \
+            "te-thd-partition|tests/gpu/test_context_parallel_te.py" \
+            "te-worker-packed-equals-padded|tests/gpu/test_worker_gpu.py::test_packed_update_equals_padded_on_gpu" ;;
+        *) echo "unknown extra '$1' (choose from vllm sglang gpu)" >&2; return 2 ;;
+    esac
+}
+
+passed=0; failed=0; skipped=0; failures=()
+
+run_check() {  # python, "name|node ids"
+    local python="$1" name="${2%%|*}" nodes="${2#*|}" log started elapsed rc
+    log="$(mktemp)"
+    started=$(date +%s)
+    set +e -f  # -f: node ids such as test_x.py::test_y[vllm] are not globs
+    # shellcheck disable=SC2086
+    timeout --kill-after=10 "$check_timeout" "$python" -m pytest -p no:cacheprovider -q -rs -m gpu $nodes \
+        "${pytest_args[@]}" >"$log" 2>&1
+    rc=$?
+    set -e +f
+    elapsed=$(( $(date +%s) - started ))
+    local summary; summary="$(tail -n 1 "$log")"
+    if [ $rc -eq 0 ] && ! grep -q "passed" <<<"$summary"; then
+        echo "SKIP $name (${elapsed}s): $(grep -m1 "^SKIPPED" "$log" || echo "$summary")"
+        skipped=$((skipped + 1))
+    elif [ $rc -eq 0 ]; then
+        echo "PASS $name (${elapsed}s)"
+        passed=$((passed + 1))
+    else
+        [ $rc -eq 124 ] && summary="timed out after ${check_timeout}s"
+        echo "FAIL $name (${elapsed}s): $summary"
+        sed 's/^/    /' "$log" | tail -n 40
+        failed=$((failed + 1)); failures+=("$name")
+    fi
+    rm -f "$log"
+}
+
+require_cuda() {
+    "$1" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device visible'" || {
+        echo "FAIL cuda-visible: $1 sees no CUDA device"; exit 1; }
+}
+
+if [ "$tier" = minimal ]; then
+    if [ $list_only -eq 1 ]; then printf '%s\n' "${MINIMAL_CHECKS[@]%%|*}"; exit 0; fi
+    python="${PYTHON:-python3}"
+    require_cuda "$python"
+    for check in "${MINIMAL_CHECKS[@]}"; do run_check "$python" "$check"; done
+else
+    extras="${RLMEGA_GPU_EXTRAS:-vllm sglang gpu}"
+    if [ $list_only -eq 1 ]; then
+        for extra in $extras; do for check in $(engine_checks "$extra"); do echo "${check%%|*}"; done; echo "$extra-all-gpu-tests"; done
+        exit 0
+    fi
+    for extra in $extras; do
+        checks="$(engine_checks "$extra")"
+        venv="${RLMEGA_GPU_VENV_PREFIX:-$root/.venv-gpu}-$extra"
+        [ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
+        "$venv/bin/python" -m pip install -q -e ".[test,$extra]"
+        require_cuda "$venv/bin/python"
+        for check in $checks; do run_check "$venv/bin/python" "$check"; done
+        # Everything else that is gpu-marked; tests of packages not in this environment skip (importorskip).
+        run_check "$venv/bin/python" "$extra-all-gpu-tests|tests"
+    done
+fi
+
+echo "tier $tier: $passed passed, $failed failed, $skipped skipped${failures:+ (failed: ${failures[*]})}"
+# On the minimal tier every check must run: a skip there means the machine lacks what the tier promises.
+[ $failed -eq 0 ] && { [ "$tier" = cluster ] || [ $skipped -eq 0 ]; }
