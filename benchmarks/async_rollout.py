@@ -2,12 +2,14 @@
 
 The job: the quickstart's model and character tokenizer, warm-started on a long-tailed task. Three
 prompts in four are the quickstart's sums (``"3+5="`` -> ``"8"``); the fourth asks for the sum written k
-times (``"3+5x12="`` -> ``"888888888888"``, k in 8..24), so a few responses in every batch are 10-25x
+times (``"3+5x12="`` -> ``"888888888888"``, k in 8..40), so a few responses in every batch are 10-40x
 longer than the rest, as reasoning traces are. Scored by exact answer. Disaggregated: one training rank
 and one transformers engine, one CPU thread each (2 of this machine's 2 cores).
 
 Each mode runs in a fresh ``rlmega train`` process from the same warm-started checkpoint, for the same
-number of RL steps (the same number of trained samples):
+number of RL steps (the same number of trained samples), once per seed (``--seeds``), the modes
+interleaved. GRPO without a reference model; PPO clips against the engine's log-probs
+(``algorithm.rollout_correction.bypass_mode``, so no old-log-prob pass), in every mode alike:
 
   sync           rollout.mode=sync: generate, train, sync
   one_step_off   rollout.mode=one_step_off: step k+1 generates while step k trains
@@ -15,10 +17,11 @@ number of RL steps (the same number of trained samples):
 
 Reported per mode: wall time of the RL steps (the sum of ``timing_s/step``) and its ratio to sync,
 response tokens trained per second, the trainer's idle fraction (waiting for rollouts) and the
-engine's (no request in flight; for sync, the time it is not generating), the largest staleness
+engine's (no request in flight; for sync, the time it is not generating; for one_step_off, the time
+outside its prefetches), the largest staleness
 trained on, and validation accuracy (256 validation prompts at temperature 1) after the last step.
 
-    python benchmarks/async_rollout.py [--steps 30] [--prompts 16] [--n 8] [--only sync,async] [--work-dir DIR]
+    python benchmarks/async_rollout.py [--steps 30] [--prompts 16] [--n 8] [--seeds 1,2] [--only sync,async] [--work-dir DIR]
 """
 
 from __future__ import annotations
@@ -37,14 +40,14 @@ MODES = ("sync", "one_step_off", "async")
 
 
 def long_tailed_rows(count: int, seed: int, split: str, long_fraction: float = 0.25) -> list[dict]:
-    """Sums, a ``long_fraction`` of them to be written k times over (k in 8..24)."""
+    """Sums, a ``long_fraction`` of them to be written k times over (k in 8..40)."""
     from rlmega.data.synthetic import ARITHMETIC_DATA_SOURCE
 
     rng = random.Random(seed)
     rows = []
     for index in range(count):
         a, b = rng.randint(0, 9), rng.randint(0, 9)
-        repeat = rng.randint(8, 24) if rng.random() < long_fraction else 1
+        repeat = rng.randint(8, 40) if rng.random() < long_fraction else 1
         prompt = f"{a}+{b}=" if repeat == 1 else f"{a}+{b}x{repeat}="
         rows.append({"data_source": ARITHMETIC_DATA_SOURCE, "prompt": [{"role": "user", "content": prompt}],
                      "ability": "arithmetic", "reward_model": {"style": "rule", "ground_truth": str(a + b) * repeat},
@@ -70,10 +73,14 @@ def common(assets: Path, args: argparse.Namespace) -> list[str]:
         f"val_data.files=[{assets / 'long_val.parquet'}]", "tiny_assets=false",
         "layout.world_size=1", "layout.tp=1", "cluster.cpus_per_rank=1",
         "rollout.placement=disaggregated", "rollout.num_engines=1", "rollout.cpus_per_engine=1",
-        f"rollout.n={args.n}", f"trainer.prompts_per_step={args.prompts}", "rollout.max_new_tokens=28",
+        f"rollout.n={args.n}", f"trainer.prompts_per_step={args.prompts}", "rollout.max_new_tokens=48",
         "actor.ppo_mini_batches=1", "reward.num_workers=1", "export_hf=false", "metrics.plot=false",
         "metrics.backends=[console,jsonl]", "sync.check_every=10", "trainer.save_every=0",
         "trainer.val_prompts=256", "trainer.val_before_train=false",
+        # PPO clips against the behaviour policy (the engine's log-probs: no old-log-prob pass), the usual
+        # choice for asynchronous runs; the same for every mode (in sync mode it is the on-policy ratio).
+        "algorithm.rollout_correction.bypass_mode=true",
+        "actor.policy_loss.kl_loss_coef=0",  # no reference model (as DAPO)
     ]
 
 
@@ -98,31 +105,31 @@ def warm_start(work: Path, assets: Path, args: argparse.Namespace) -> Path:
     return model
 
 
-def measure(mode: str, work: Path, assets: Path, model: Path, args: argparse.Namespace) -> dict:
-    run_dir = work / mode
+def measure(mode: str, seed: int, work: Path, assets: Path, model: Path, args: argparse.Namespace) -> dict:
+    run_dir = work / f"{mode}-seed{seed}"
     command = [sys.executable, "-m", "rlmega.cli.main", "train", f"run_dir={run_dir}", *common(assets, args),
                f"model.path={model}", f"rollout.mode={mode}", f"trainer.total_steps={args.steps}",
-               "trainer.sft_steps=0", f"trainer.val_every={args.steps}", "resume=never"]
-    run(command, work / f"{mode}.log", timeout_s=3600)
+               "trainer.sft_steps=0", f"trainer.val_every={args.steps}", "resume=never", f"trainer.seed={seed}"]
+    run(command, work / f"{mode}-seed{seed}.log", timeout_s=3600)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "timing_s/step" in row]
     validation = [row for row in rows if "val/accuracy" in row]
+    trained = [json.loads(line) for line in (run_dir / "trained_prompts.jsonl").read_text().splitlines()]
     wall = sum(row["timing_s/step"] for row in steps)
     tokens = sum(row["batch/response_tokens"] for row in steps)
     gen = sum(row["timing_s/gen"] + row.get("timing_s/wait_rollout", 0.0) for row in steps)
     result = {
-        "mode": mode, "steps": len(steps), "wall_s": wall, "response_tokens_per_s": tokens / wall,
+        "mode": mode, "seed": seed, "steps": len(steps), "wall_s": wall, "response_tokens_per_s": tokens / wall,
         "trainer_idle": gen / wall,
         "val_accuracy": validation[-1]["val/accuracy"] if validation else float("nan"),
-        "staleness_max": max((row.get("async/staleness_max", 0.0) for row in steps), default=0.0),
+        "staleness_max": max(row["step"] - 1 - min(row["weight_versions"]) for row in trained),
     }
     if mode == "sync":
         result["engine_idle"] = 1 - sum(row["timing_s/gen"] for row in steps) / wall
     elif mode == "async":
         result["engine_idle"] = sum(row["async/engine_idle_fraction"] * row["timing_s/step"] for row in steps) / wall
-    else:  # the prefetch runs from take to pause: the engine waits for the rest of the step
-        busy = sum(row["timing_s/step"] - row["timing_s/sync"] - row["timing_s/gen"] for row in steps)
-        result["engine_idle"] = 1 - min(busy, wall) / wall
+    else:  # one_step_off: the prefetch's own duration is the engine's busy time
+        result["engine_idle"] = 1 - sum(row.get("timing_s/prefetch", 0.0) for row in steps) / wall
     return result
 
 
@@ -133,6 +140,8 @@ def main() -> int:
     parser.add_argument("--n", type=int, default=8, help="responses per prompt (default 8)")
     parser.add_argument("--sft-steps", type=int, default=60, help="supervised warm-start steps (default 60)")
     parser.add_argument("--only", default=",".join(MODES), help="comma-separated modes (default: all three)")
+    parser.add_argument("--seeds", default="1,2", help="comma-separated trainer.seed values, each mode once per seed "
+                        "(default 1,2); wall times and accuracies are averaged over them")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep the runs here (default: a temporary dir)")
     args = parser.parse_args()
     modes = [m for m in args.only.split(",") if m]
@@ -144,17 +153,24 @@ def main() -> int:
     assets = prepare(work)
     print(f"warm-start ({args.sft_steps} steps) ...", flush=True)
     model = warm_start(work, assets, args)
+    seeds = [int(seed) for seed in args.seeds.split(",") if seed]
     results = []
-    for mode in modes:
-        print(f"{mode}: {args.steps} steps ...", flush=True)
-        results.append(measure(mode, work, assets, model, args))
-    base = next((r for r in results if r["mode"] == "sync"), results[0])
+    for seed in seeds:  # the modes interleaved, so a change in the machine's load touches all of them alike
+        for mode in modes:
+            print(f"{mode}, seed {seed}: {args.steps} steps ...", flush=True)
+            results.append(measure(mode, seed, work, assets, model, args))
+    summary = {mode: {key: sum(r[key] for r in results if r["mode"] == mode) / len(seeds)
+                      for key in ("wall_s", "response_tokens_per_s", "trainer_idle", "engine_idle", "val_accuracy")}
+               for mode in modes}
+    base = summary.get("sync", summary[modes[0]])
     print(f"\n{'mode':<14}{'wall s':>9}{'speed-up':>10}{'tok/s':>9}{'trainer idle':>14}{'engine idle':>13}"
-          f"{'max stale':>11}{'val acc':>9}")
-    for r in results:
-        print(f"{r['mode']:<14}{r['wall_s']:>9.1f}{base['wall_s'] / r['wall_s']:>9.2f}x{r['response_tokens_per_s']:>9.1f}"
-              f"{r['trainer_idle']:>14.1%}{r['engine_idle']:>13.1%}{r['staleness_max']:>11.0f}{r['val_accuracy']:>9.1%}")
-    (work / "results.json").write_text(json.dumps(results, indent=1))
+          f"{'max stale':>11}{'val acc':>9}  per seed")
+    for mode, r in summary.items():
+        stale = max(x["staleness_max"] for x in results if x["mode"] == mode)
+        per_seed = " / ".join(f"{x['val_accuracy']:.1%}" for x in results if x["mode"] == mode)
+        print(f"{mode:<14}{r['wall_s']:>9.1f}{base['wall_s'] / r['wall_s']:>9.2f}x{r['response_tokens_per_s']:>9.1f}"
+              f"{r['trainer_idle']:>14.1%}{r['engine_idle']:>13.1%}{stale:>11.0f}{r['val_accuracy']:>9.1%}  {per_seed}")
+    (work / "results.json").write_text(json.dumps({"runs": results, "summary": summary}, indent=1))
     print(f"\nruns and results.json in {work}")
     return 0
 

@@ -16,6 +16,7 @@ trained on: after a resume, those prompts are generated again.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional, Protocol
 
@@ -83,11 +84,17 @@ class OneStepOffRollouts:
         self._state = self.prompts.state_dict()
         if step < self.total_steps:
             if self.overlap:
-                self._next = (step + 1, self._executor.submit(self.prompts.rollouts, self.engines, step + 1))
+                self._next = (step + 1, self._executor.submit(self._generate, step + 1))
             else:
                 done: Future = Future()
-                done.set_result(self.prompts.rollouts(self.engines, step + 1))
+                done.set_result(self._generate(step + 1))
                 self._next = (step + 1, done)
+        return rollouts
+
+    def _generate(self, step: int) -> Rollouts:
+        started = time.perf_counter()
+        rollouts = self.prompts.rollouts(self.engines, step)
+        rollouts.metrics["timing_s/prefetch"] = time.perf_counter() - started  # the engines' busy time
         return rollouts
 
     def pause(self) -> None:
