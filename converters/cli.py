@@ -28,6 +28,7 @@ EPILOG = """\
 examples:
   rlmega convert mcore-to-hf ckpts/run1 hf/run1-step10 --hf-base Qwen/Qwen3-8B-local-dir
   rlmega convert hf-to-mcore hf/Qwen3-8B ckpts/qwen3-tp2 --tp 2 --iteration 0
+  rlmega convert hf-to-mcore hf/DeepSeek-V3 ckpts/dsv3 --pp 16 --ep 16 --first-stage-layers 3 --last-stage-layers 2
   rlmega convert verify hf/run1-step10 hf/reference --logits
 """
 
@@ -94,6 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to_mcore.add_argument("--vpp", type=_positive, default=None, help="virtual stages per pipeline rank")
     to_mcore.add_argument("--ep", type=_positive, default=1, help="expert parallel degree (default: 1)")
     to_mcore.add_argument("--etp", type=_positive, default=None, help="expert tensor parallel degree (default: 1 under --ep > 1, else --tp)")
+    to_mcore.add_argument("--first-stage-layers", type=_positive, default=None,
+                          help="layers on the first pipeline stage when stages are uneven (the rest split evenly)")
+    to_mcore.add_argument("--last-stage-layers", type=_positive, default=None,
+                          help="layers on the last pipeline stage when stages are uneven")
     to_mcore.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="parameter dtype (default: config.json's)")
     to_mcore.add_argument("--iteration", type=int, default=None,
                           help="write Megatron's training layout, OUTPUT/iter_NNNNNNN/ + latest_checkpointed_iteration.txt "
@@ -141,11 +146,14 @@ def _run_hf_to_mcore(args) -> int:
     from converters.errors import ConversionError
 
     try:
-        layout = layout_for(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
+        layout = layout_for(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp,
+                            first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers)
     except LayoutError as error:
         raise ConversionError(str(error)) from None
     result = convert(args.hf_dir, args.output, layout, dtype=_dtype(args.dtype), iteration=args.iteration,
                      overwrite=args.overwrite, quiet=args.quiet, timeout_s=args.timeout)
+    for line in result.notes:
+        print(f"note: {line}")
     print(f"wrote {result.checkpoint_dir}: {layout.describe()}, {result.world_size} rank(s), "
           f"{human_bytes(result.bytes_written)}, {result.seconds:.1f} s")
     return 0

@@ -20,15 +20,19 @@ TOKENIZER_FILES = (
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def read_base(hf_base: Path):
-    """(config dict, ModelSpec) of an HF model directory; one-line errors for what is wrong with it."""
+def read_base(hf_base: Path, *, mtp: str = "auto"):
+    """(config dict, ModelSpec) of an HF model directory; one-line errors for what is wrong with it.
+
+    Only weights are converted, so settings that only the forward pass uses (routing, RoPE) are not
+    refused (``model_spec_from_hf(weights_only=True)``); ``mtp`` as there.
+    """
     from rlmega.models import UnsupportedModelError, model_spec_from_hf, read_hf_config
 
     if not (Path(hf_base) / "config.json").is_file():
         raise ConversionError(f"{hf_base} has no config.json; pass the HF directory of the model the checkpoint was trained from")
     config = read_hf_config(hf_base)
     try:
-        return config, model_spec_from_hf(config)
+        return config, model_spec_from_hf(Path(hf_base), mtp=mtp, weights_only=True)
     except UnsupportedModelError as error:
         raise ConversionError(f"{hf_base}/config.json: {error}") from None
 

@@ -39,16 +39,20 @@ class Result:
     world_size: int
     bytes_written: int
     seconds: float
+    notes: tuple[str, ...] = ()
+    """How the checkpoint was read (``ModelSpec.notes``), one line each."""
 
 
-def layout_for(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1, etp: Optional[int] = None):
+def layout_for(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1, etp: Optional[int] = None,
+               first_stage_layers: Optional[int] = None, last_stage_layers: Optional[int] = None):
     """The smallest job with these degrees: data parallel only as far as expert parallel needs it
-    (``ep * etp`` must divide ``tp * dp``)."""
+    (``ep * etp`` must divide ``tp * dp``); uneven first / last pipeline stages as ``ParallelLayout``'s."""
     from rlmega.parallel.layout import ParallelLayout
 
     expert_ranks = ep * (etp or 1)
     world_size = tp * pp * (math.lcm(tp, expert_ranks) // tp)
-    return ParallelLayout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, world_size=world_size)
+    return ParallelLayout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, world_size=world_size,
+                          first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
 
 
 def _save_rank(rank: int, world_size: int, layout, hf_dir: str, directory: str, dtype: torch.dtype) -> None:
@@ -59,7 +63,7 @@ def _save_rank(rank: int, world_size: int, layout, hf_dir: str, directory: str, 
     from rlmega.parallel.layout import destroy, initialize
 
     initialize(layout)
-    spec = model_spec_from_hf(hf_dir)
+    spec = model_spec_from_hf(hf_dir, weights_only=True)  # as read_base: no forward pass here
     chunks = build_chunks(spec, layout, spec.transformer_config(layout, params_dtype=dtype))
     load_hf_weights(chunks, spec, hf_dir)
     # Megatron's training checkpoints: "model", or "model0", "model1"... per virtual stage.
@@ -139,7 +143,7 @@ def convert(hf_dir: str | Path, output: str | Path, layout, *, dtype: Optional[t
     try:
         spec.check_layout(layout)
     except LayoutError as error:
-        raise ConversionError(f"{error}; choose degrees that divide the model") from None
+        raise ConversionError(str(error)) from None
     total = _hf_bytes(hf_dir, dtype, spec, layout.tp)
     check_disk_space(output, total)
 
@@ -151,11 +155,10 @@ def convert(hf_dir: str | Path, output: str | Path, layout, *, dtype: Optional[t
         watcher.start()
         try:
             with _cpu_only():
-                run_on_ranks(_save_rank, layout.world_size, timeout_s=timeout_s,
+                run_on_ranks(_save_rank, layout.world_size, timeout_s=timeout_s, quiet=True,
                              args=(layout, str(hf_dir), str(target), dtype))
         except RankFailure as failure:
-            lines = failure.detail.strip().splitlines()
-            raise ConversionError(f"rank {failure.rank}: {lines[-1] if lines else 'failed'}") from failure
+            raise ConversionError(failure.cause) from failure
         finally:
             stop.set()
             watcher.join()
@@ -163,4 +166,4 @@ def convert(hf_dir: str | Path, output: str | Path, layout, *, dtype: Optional[t
             (partial / TRACKER_FILE).write_text(f"{iteration}\n")
         written = directory_bytes(partial)
     checkpoint_dir = output if iteration is None else output / f"iter_{iteration:07d}"
-    return Result(output, checkpoint_dir, layout.world_size, written, time.perf_counter() - started)
+    return Result(output, checkpoint_dir, layout.world_size, written, time.perf_counter() - started, spec.notes)

@@ -181,7 +181,8 @@ def convert(checkpoint_path: str | Path, output: str | Path, hf_base: str | Path
     started = time.perf_counter()
     output, hf_base = Path(output), Path(hf_base)
     check_output(output, overwrite)
-    config, spec = read_base(hf_base)
+    # MTP as config.json says: the Megatron checkpoint decides which layers there are to export.
+    config, spec = read_base(hf_base, mtp="on")
     checkpoint = MegatronCheckpoint(checkpoint_path)
     units = plan(checkpoint, spec, config, hf_base)
     checkpoint.check_files({region.key for unit in units for region in unit.param.parts})

@@ -16,7 +16,7 @@ def test_smoke_learns_at_tensor_parallel_2(capfd):  # ranks print from their own
 
 def test_smoke_refuses_an_impossible_layout_before_starting(capsys):
     assert main(["smoke", "--tp", "3"]) == 2
-    assert capsys.readouterr().out.strip() == "rlmega smoke: num_attention_heads=4 is not divisible by tp=3"
+    assert capsys.readouterr().out.strip() == "rlmega smoke: num_attention_heads=4 is not divisible by tp=3; valid tp: 1, 2"
 
 
 def test_smoke_refuses_uneven_data_split(capsys):

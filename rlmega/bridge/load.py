@@ -76,6 +76,8 @@ def load_hf_weights(chunks: list, spec: ModelSpec, directory: str | Path, *, wit
     checkpoint = HFCheckpoint(directory)
     plan, needed = _plan(chunks, spec)
     unused = frozenset({_LM_HEAD}) if without_lm_head else frozenset()
+    if spec.unused_hf_prefixes:
+        unused |= {name for name in checkpoint.keys() if name.startswith(spec.unused_hf_prefixes)}
     check_checkpoint(checkpoint, _all_needed(needed), spec.tie_word_embeddings, unused)
     geometry = geometry_of(spec)
     for param, rule, names, tp_rank, tp, owner in plan:

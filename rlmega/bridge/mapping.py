@@ -58,6 +58,15 @@ def _dense_rules(attn: str = "self_attn", mlp: str = "mlp") -> list[Rule]:
     ]
 
 
+def _score_rules(rules: list[Rule]) -> list[Rule]:
+    """A ``*ForSequenceClassification`` checkpoint (reward model): the trunk's rules, and HF's
+    ``score`` head ``[num_labels, hidden]`` as the output layer, copied whole (every TP rank holds it,
+    see ``rlmega.models.reward_head``; no vocabulary, so no padding)."""
+    return [rule for rule in rules if rule.megatron != "output_layer.weight"] + [
+        Rule("output_layer.weight", ("score.weight",)),
+    ]
+
+
 def _expert_rules(moe: str, router: str, gate: str, up: str, down: str) -> list[Rule]:
     layer = "decoder.layers.{layer}.mlp"
     hf = "model.layers.{layer}." + moe
@@ -132,6 +141,9 @@ RULES: dict[str, list[Rule]] = {
     "Qwen3MoeForCausalLM": _dense_rules() + _expert_rules("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
     "MixtralForCausalLM": _dense_rules() + _expert_rules("block_sparse_moe", "gate", "w1", "w3", "w2"),
     "DeepseekV3ForCausalLM": _deepseek_v3_rules(),
+    "LlamaForSequenceClassification": _score_rules(_dense_rules()),
+    "Qwen2ForSequenceClassification": _score_rules(_dense_rules()),
+    "Qwen3ForSequenceClassification": _score_rules(_dense_rules()),
 }
 
 # The TE layer spec fuses the pre-attention and pre-MLP norms (and MLA's latent norms) into the

@@ -13,7 +13,7 @@ import sys
 from typing import Callable, Dict, List, Optional, Tuple
 
 import rlmega
-from rlmega.cli import convert, doctor, sft, smoke, train
+from rlmega.cli import convert, doctor, plan, sft, smoke, train
 from rlmega.errors import UserError
 
 AddArguments = Callable[[argparse.ArgumentParser], None]
@@ -27,6 +27,7 @@ SUBCOMMANDS: Dict[str, Tuple[str, AddArguments, Run]] = {
     "smoke": (smoke.HELP, smoke.add_arguments, smoke.run),
     "doctor": (doctor.HELP, doctor.add_arguments, doctor.run),
     "convert": (convert.HELP, convert.add_arguments, convert.run),
+    "plan": (plan.HELP, plan.add_arguments, plan.run),
 }
 
 DESCRIPTION = (

@@ -60,6 +60,11 @@ def run(args: argparse.Namespace) -> int:
         from rlmega.trainer.assets import prepare_tiny_assets
 
         prepare_tiny_assets(Path(config.run_dir) / "assets")
+        if config.tiny_reward_model:
+            from rlmega.trainer.tiny_reward_model import prepare_tiny_reward_model
+
+            policy = config.model.tokenizer_path or config.model.path
+            prepare_tiny_reward_model(config.reward_model.path, policy_dir=policy, train_files=config.data.files)
     validate(config)
     from rlmega.trainer.build import run as run_training
 

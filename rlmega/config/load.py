@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -119,6 +120,11 @@ def validate(config: RLConfig) -> None:
                  f"{loss.kl_estimator!r} is not one of {', '.join(sorted(algos.KL_ESTIMATORS))}")
         _require(loss.loss_agg_mode in algos.LOSS_AGG_MODES, f"{role}.policy_loss.loss_agg_mode",
                  f"{loss.loss_agg_mode!r} is not one of {', '.join(algos.LOSS_AGG_MODES)}")
+    for role in ("actor", "critic"):
+        optimizer = getattr(config, role).optimizer
+        _require(not optimizer.cpu_offload_fraction or optimizer.distributed_optimizer is not False,
+                 f"{role}.optimizer.cpu_offload_fraction", "needs the distributed optimizer: set "
+                 f"{role}.optimizer.distributed_optimizer to null or true")
     try:
         config.actor.policy_loss.loss_kwargs()
     except ValueError as error:
@@ -174,21 +180,133 @@ def validate(config: RLConfig) -> None:
         for file in data.files:
             _require(Path(file).is_file(), field, f"no such file {file}")
     try:
-        spec = model_spec_from_hf(str(model_dir))
+        spec = model_spec_from_hf(str(model_dir), mtp=config.model.mtp)
     except UnsupportedModelError as error:
         raise ConfigError(f"model.path: {error}") from error
+    for note in spec.notes:  # said once, here: the workers build the same spec silently
+        print(f"note: model.path: {note}", file=sys.stderr)
     try:
         spec.check_layout(config.layout.build())
     except LayoutError as error:
         raise ConfigError(f"layout: {error}") from error
     if config.reward.user_function is not None:
         check_function_defined(config.reward.user_function)
+    _check_reward_weights(config)
+    _check_reward_model(config)
+    _check_judge(config)
     _check_data(config)
 
 
 # Sizes that must be whole numbers, with their least value.
 COUNTS = {"rollout.n": 1, "rollout.max_new_tokens": 1, "trainer.total_steps": 1, "trainer.prompts_per_step": 1,
-          "trainer.val_prompts": 1, "trainer.sft_steps": 0, "trainer.save_every": 0, "trainer.val_every": 0}
+          "trainer.val_prompts": 1, "trainer.sft_steps": 0, "trainer.save_every": 0, "trainer.val_every": 0,
+          "reward_model.max_tokens_per_microbatch": 1, "judge.response_length": 1, "judge.num_engines": 1,
+          "judge.tensor_parallel_size": 1}
+
+
+def _reward_weights(config: RLConfig):
+    from rlmega.rewards import RewardWeights, enabled_components
+
+    return RewardWeights(config.reward, enabled_components(
+        user_function=config.reward.user_function is not None, reward_model=config.reward_model.enable,
+        judge=config.judge.enable))
+
+
+def _check_reward_weights(config: RLConfig) -> None:
+    try:
+        _reward_weights(config).check()
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def _check_hf_dir(field: str, path, what: str) -> None:
+    _require(path is not None and (Path(path) / "config.json").is_file(), field,
+             f"no HF checkpoint (config.json) at {path}; the {what} needs one")
+
+
+def _check_model_scores(section: str, settings) -> None:
+    """The normalisation and clipping fields shared by the reward model and the judge."""
+    clip = settings.clip_range
+    _require(clip is None or (len(clip) == 2 and clip[0] < clip[1]), f"{section}.clip_range",
+             f"must be [low, high] with low < high, or null; got {clip}")
+
+
+def _load_tokenizer(field: str, source: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{field}: no tokenizer loads from {source} ({str(error).splitlines()[0]})") from None
+
+
+def _check_reward_model(config: RLConfig) -> None:
+    """The reward model: a one-label sequence-classification checkpoint that fits its layout, a tokenizer,
+    and a chat template wherever the response must be re-tokenised."""
+    from rlmega.models import UnsupportedModelError, model_spec_from_hf
+    from rlmega.parallel.layout import LayoutError
+    from rlmega.rewards import same_tokenization
+    from rlmega.workers.model import check_head
+
+    reward = config.reward_model
+    if not reward.enable:
+        return
+    _check_hf_dir("reward_model.path", reward.path, "reward model")
+    try:
+        spec = model_spec_from_hf(reward.path)
+        check_head(spec, "reward")
+    except (UnsupportedModelError, ValueError) as error:
+        raise ConfigError(f"reward_model.path: {error}") from error
+    try:
+        spec.check_layout(reward.layout.build())
+    except LayoutError as error:
+        raise ConfigError(f"reward_model.layout: {error}") from error
+    _require(reward.cpus_per_rank > 0, "reward_model.cpus_per_rank", "must be > 0")
+    _check_model_scores("reward_model", reward)
+    field = "reward_model.tokenizer_path" if reward.tokenizer_path else "reward_model.path"
+    tokenizer = _load_tokenizer(field, reward.tokenizer_path or reward.path)
+    if reward.chat_template is not None:
+        tokenizer.chat_template = reward.chat_template
+    policy = _load_tokenizer("model.tokenizer_path" if config.model.tokenizer_path else "model.path",
+                             config.model.tokenizer_path or config.model.path)
+    retokenizes = reward.retokenize == "always" or (reward.retokenize == "auto"
+                                                    and not same_tokenization(tokenizer, policy))
+    _require(not retokenizes or tokenizer.chat_template is not None, "reward_model.chat_template",
+             f"the reward model's tokenizer ({field}) has no chat template to render prompt + response with; "
+             "set reward_model.chat_template")
+
+
+def _check_judge(config: RLConfig) -> None:
+    from rlmega.rewards.judge import check_template
+    from rlmega.rewards.user_function import check_function_defined
+
+    judge = config.judge
+    if not judge.enable:
+        return
+    _check_hf_dir("judge.path", judge.path, "judge")
+    field = "judge.tokenizer_path" if judge.tokenizer_path else "judge.path"
+    _load_tokenizer(field, judge.tokenizer_path or judge.path)
+    try:
+        check_template(judge.prompt_template)
+    except ValueError as error:
+        raise ConfigError(f"judge.prompt_template: {error}") from None
+    if judge.parser is not None:
+        try:
+            check_function_defined(judge.parser, field="judge.parser")
+        except ValueError as error:  # a malformed spec or a missing file (a UserError passes as it is)
+            if isinstance(error, UserError):
+                raise
+            raise ConfigError(f"judge.parser: {error}") from None
+    _require(judge.temperature >= 0, "judge.temperature", f"must be >= 0, got {judge.temperature}")
+    _require(judge.cpus_per_engine > 0, "judge.cpus_per_engine", "must be > 0")
+    _require(0 < judge.gpu_memory_utilization <= 1, "judge.gpu_memory_utilization", "must be in (0, 1]")
+    _require(judge.backend != "hf" or judge.tensor_parallel_size == 1, "judge.tensor_parallel_size",
+             "the hf engine runs on one device; engine parallelism needs judge.backend=vllm or sglang")
+    try:
+        judge.engine_config().engine_arguments()
+    except ValueError as error:
+        raise ConfigError(str(error).replace("rollout.", "judge.")) from None
+    _check_model_scores("judge", judge)
 
 
 def _get(config: RLConfig, dotted: str):
@@ -202,7 +320,8 @@ def _check_devices(config: RLConfig) -> None:
     """GPUs asked of a local Ray that this machine cannot give (a joined cluster's nodes may have them)."""
     if config.cluster.ray_address or os.environ.get("RAY_ADDRESS"):
         return
-    for field in ("rollout.gpus_per_engine", "cluster.gpus_per_rank"):
+    for field in ("rollout.gpus_per_engine", "cluster.gpus_per_rank", "reward_model.gpus_per_rank",
+                  "judge.gpus_per_engine"):
         value = _get(config, field)
         if value > 0:
             import torch
@@ -236,13 +355,21 @@ def _check_data(config: RLConfig) -> None:
     _require(prompts_per_step <= len(dataset), "trainer.prompts_per_step",
              f"{prompts_per_step} prompts per step, but data.files hold {len(dataset)}{filtered}; "
              "lower trainer.prompts_per_step or add prompts")
-    if config.reward.user_function is None:
-        unscored = next((r for data in datasets for r in data.records if r.data_source not in RULE_SCORERS), None)
-        if unscored is not None:
-            raise DataFormatError(
-                f"{unscored.source_file} row {unscored.source_row}: no rule scorer for data_source "
-                f"{unscored.data_source!r}; valid: {', '.join(sorted(RULE_SCORERS))}; or score every row with "
-                "reward.user_function=path/to/file.py:function")
+    weights = _reward_weights(config)  # only the rows the rule component scores need a rule scorer
+    unscored = next((r for data, validation in zip(datasets, (False, True)) for r in data.records
+                     if r.data_source not in RULE_SCORERS
+                     and weights.runs("rule", r.data_source, validation=validation)), None)
+    if unscored is not None:
+        raise DataFormatError(
+            f"{unscored.source_file} row {unscored.source_row}: no rule scorer for data_source "
+            f"{unscored.data_source!r}; valid: {', '.join(sorted(RULE_SCORERS))}; or score every row with "
+            "reward.user_function=path/to/file.py:function")
+
+
+def check_choices(config: RLConfig) -> None:
+    """Every field declared with ``schema.choice`` holds one of its options (the first of ``validate``'s
+    checks, for tools that read a config without its data and weights, such as ``rlmega plan``)."""
+    _check_choices(config, "")
 
 
 def _check_choices(node, prefix: str) -> None:

@@ -13,8 +13,10 @@ from typing import Any, Optional
 from rlmega.algos.rollout_correction import RolloutCorrectionConfig
 from rlmega.data import DataConfig
 from rlmega.parallel.layout import LayoutConfig
+from rlmega.plan.config import PlanConfig
 from rlmega.rewards import RewardConfig
-from rlmega.workers.config import WorkerConfig
+from rlmega.rewards.judge import DEFAULT_TEMPLATE as DEFAULT_JUDGE_TEMPLATE
+from rlmega.workers.config import BatchingConfig, WorkerConfig
 
 METRIC_BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
@@ -31,6 +33,11 @@ class ModelConfig:
     """HF checkpoint directory (config.json, safetensors, tokenizer files) the run starts from."""
     tokenizer_path: Optional[str] = None
     """Tokenizer directory when it is not ``path``."""
+    mtp: str = choice("auto", "on", "off")
+    """Multi-token-prediction layers config.json announces (DeepSeek-V3's num_nextn_predict_layers): on builds
+    and trains them, off leaves them out (and their weights unread), auto builds them when the checkpoint
+    holds their weights (or no weights at all, as for ``rlmega plan``) and says so when it does not. In YAML
+    write "off" in quotes (a bare off reads as false)."""
 
 
 @dataclasses.dataclass
@@ -111,6 +118,90 @@ ENGINE_ARGUMENTS = {
                "data_parallel_size": "dp_size", "expert_parallel_size": "ep_size",
                "max_num_batched_tokens": "max_prefill_tokens"},
 }
+
+
+@dataclasses.dataclass
+class RewardModelConfig:
+    """A discriminative reward model on Megatron ranks of its own (verl's ``reward_model``): an HF
+    ``*ForSequenceClassification`` checkpoint (num_labels=1) loaded through the bridge, scoring prompt +
+    response at its last non-pad token; the reward manager's ``reward_model`` component
+    (``reward.weights``). See rlmega/trainer/README.md (Reward models)."""
+
+    enable: bool = False
+    path: Optional[str] = None
+    """The reward model's HF checkpoint directory."""
+    tokenizer_path: Optional[str] = None
+    """The reward model's tokenizer (verl's ``input_tokenizer`` is the policy's); None: ``path``'s."""
+    chat_template: Optional[str] = None
+    """A Jinja chat template for the reward model's input, in place of its tokenizer's."""
+    chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Extra variables for that chat template."""
+    retokenize: str = choice("auto", "always", "never")
+    """auto: score the policy's token ids as they are when the reward tokenizer and chat template are the
+    policy's, else decode the response and render the prompt's messages + the response with the reward
+    model's template and tokenizer; always / never: one of the two whatever the tokenizers."""
+    layout: LayoutConfig = dataclasses.field(default_factory=LayoutConfig)
+    """The reward model's own parallel layout and world size (``layout.world_size`` ranks of its own)."""
+    cpus_per_rank: float = 1.0
+    gpus_per_rank: float = 0.0
+    offload: bool = False
+    """Keep the weights in host memory between scoring calls."""
+    dtype: Optional[str] = None
+    """bf16 | fp32; None: bf16 with CUDA, fp32 on CPU."""
+    max_tokens_per_microbatch: int = 8192
+    """Token budget of one forward micro-batch on one rank (verl's ``forward_max_token_len_per_gpu``)."""
+    normalize: str = choice("none", "batch", "running")
+    """Normalise the scores before they are weighted: batch z-score, or by the running mean and std of all
+    training scores so far (not restored on resume)."""
+    clip_range: Optional[list[float]] = None
+    """``[low, high]``: clamp the (normalised) scores to it; None: no clipping."""
+
+    def worker_config(self) -> WorkerConfig:
+        """The Megatron worker of every reward-model rank."""
+        return WorkerConfig(role="reward", dtype=self.dtype, offload=self.offload,
+                            batching=BatchingConfig(max_tokens_per_microbatch=self.max_tokens_per_microbatch))
+
+
+@dataclasses.dataclass
+class JudgeConfig:
+    """A generative judge: rollout engines of their own serving ``path``, asked with ``prompt_template``
+    to grade each response; ``parser`` turns the answer into the reward manager's ``judge`` score
+    (``rlmega.rewards.judge``)."""
+
+    enable: bool = False
+    backend: str = choice("hf", "vllm", "sglang")
+    path: Optional[str] = None
+    """The judge's HF checkpoint directory (a causal LM)."""
+    tokenizer_path: Optional[str] = None
+    """None: ``path``'s tokenizer."""
+    prompt_template: str = DEFAULT_JUDGE_TEMPLATE
+    """The judge's prompt, with any of ``{question}``, ``{response}``, ``{ground_truth}``, ``{data_source}``."""
+    use_chat_template: bool = True
+    """Give the prompt as a user message through the judge tokenizer's chat template (when it has one)."""
+    parser: Optional[str] = None
+    """``path/to/file.py:function``: ``function(text)`` returns the score of the judge's answer (a number, or a
+    dict with a numeric ``score``); None: the first number in the answer. A parser that raises scores 0."""
+    response_length: int = 16
+    """The longest answer of the judge, in tokens (verl's ``response_length``)."""
+    temperature: float = 0.0
+    """0: greedy."""
+    num_engines: int = 1
+    cpus_per_engine: float = 1.0
+    gpus_per_engine: float = 0.0
+    gpu_memory_utilization: float = 0.5
+    tensor_parallel_size: int = 1
+    engine_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Other constructor arguments of the judge's engines, as for ``rollout.engine_kwargs``."""
+    normalize: str = choice("none", "batch", "running")
+    """As ``reward_model.normalize``, for the judge's scores."""
+    clip_range: Optional[list[float]] = None
+
+    def engine_config(self) -> RolloutConfig:
+        """The judge's engines as a rollout config (what ``RolloutGroup`` starts)."""
+        return RolloutConfig(backend=self.backend, engine_kwargs=dict(self.engine_kwargs), num_engines=self.num_engines,
+                             gpu_memory_utilization=self.gpu_memory_utilization,
+                             tensor_parallel_size=self.tensor_parallel_size, placement="disaggregated",
+                             cpus_per_engine=self.cpus_per_engine, gpus_per_engine=self.gpus_per_engine)
 
 
 @dataclasses.dataclass
@@ -238,6 +329,8 @@ class RLConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     val_data: DataConfig = dataclasses.field(default_factory=DataConfig)
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = dataclasses.field(default_factory=RewardModelConfig)
+    judge: JudgeConfig = dataclasses.field(default_factory=JudgeConfig)
     layout: LayoutConfig = dataclasses.field(default_factory=LayoutConfig)
     actor: WorkerConfig = dataclasses.field(default_factory=lambda: WorkerConfig(role="actor"))
     ref: WorkerConfig = dataclasses.field(default_factory=lambda: WorkerConfig(role="ref", offload=True))
@@ -248,10 +341,15 @@ class RLConfig:
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
     cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
+    plan: PlanConfig = dataclasses.field(default_factory=PlanConfig)
+    """The hardware ``rlmega plan`` checks the run against (GPU, nodes, links); the trainer does not read it."""
     export_hf: bool = True
     """Write the final weights as an HF checkpoint to run_dir/hf."""
     tiny_assets: bool = False
     """Build the quickstart's tiny model, tokenizer and arithmetic data under run_dir/assets if missing."""
+    tiny_reward_model: bool = False
+    """With ``tiny_assets``: also fit the quickstart's tiny reward model to the rule reward of the training
+    prompts, into run_dir/assets/reward_model, if missing (``configs/tiny_cpu_rm.yaml``)."""
 
     @property
     def needs_reference(self) -> bool:

@@ -2,7 +2,9 @@
 experts and a score-correction bias, dense first layers, and multi-token prediction (MTP) layers.
 
 Each HF behaviour is mapped to the Megatron-Core option that reproduces it exactly; anything that
-has no exact Megatron twin raises ``UnsupportedModelError`` naming the field.
+has no exact Megatron twin raises ``UnsupportedModelError`` naming the field. Settings that only the
+forward pass uses (activation, norm epsilon, RoPE, routing) are refused for training but not when only
+weights are converted (``weights_only``; ``architectures.forward_only``), since no tensor depends on them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ _HF_LATENT_NORM_EPS = 1e-6
 
 def _unsupported(message: str) -> architectures.UnsupportedModelError:
     return architectures.UnsupportedModelError(f"DeepseekV3ForCausalLM: {message}")
+
+
+_PLAIN_ROPE = dict(rope_type="rope", rotary_base=10000.0, rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
 
 
 def _rope_fields(hf: architectures.HFConfig) -> dict:
@@ -65,29 +70,43 @@ def _rope_fields(hf: architectures.HFConfig) -> dict:
 
 
 def _router_fields(hf: architectures.HFConfig) -> dict:
-    """Sigmoid top-k routing with HF's e_score_correction_bias, groups and scaling."""
-    experts, topk = hf["n_routed_experts"], hf["num_experts_per_tok"]
+    """Sigmoid top-k routing with HF's e_score_correction_bias and scaling (the router's tensors)."""
+    return dict(
+        num_moe_experts=hf["n_routed_experts"],
+        moe_router_topk=hf["num_experts_per_tok"],
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        moe_router_dtype="fp32",  # HF computes router logits in fp32 whatever the model dtype
+    )
+
+
+def _routing_fields(hf: architectures.HFConfig) -> dict:
+    """How the router picks experts: renormalisation and group-limited routing (forward pass only)."""
+    topk = hf["num_experts_per_tok"]
     normalize = bool(hf.get("norm_topk_prob", True))
     # Megatron renormalises sigmoid top-k scores exactly when k > 1.
     if normalize != (topk > 1):
         raise _unsupported(f"norm_topk_prob={normalize} with num_experts_per_tok={topk} is not supported; "
                            "supported: norm_topk_prob=true with k > 1, or false with k = 1")
     groups, group_topk = hf.get("n_group") or 1, hf.get("topk_group") or 1
-    fields = dict(
-        num_moe_experts=experts,
-        moe_router_topk=topk,
-        moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True,
-        moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-        moe_router_dtype="fp32",  # HF computes router logits in fp32 whatever the model dtype
-    )
-    if groups > 1:
-        # HF ranks groups by the sum of their top-2 scores; Megatron by the top (k / topk_group).
-        if topk // group_topk != 2:
-            raise _unsupported(f"num_experts_per_tok={topk} with topk_group={group_topk} is not supported; "
-                               "group-limited routing needs num_experts_per_tok // topk_group == 2")
-        fields.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
-    return fields
+    if groups == 1:
+        return {}
+    # HF ranks groups by the sum of their top-2 scores; Megatron by the top (k / topk_group).
+    if topk // group_topk != 2:
+        raise _unsupported(f"num_experts_per_tok={topk} with topk_group={group_topk} is not supported for training "
+                           "(Megatron ranks expert groups by their top num_experts_per_tok // topk_group scores, "
+                           "HF by their top 2); group-limited routing needs num_experts_per_tok // topk_group == 2 "
+                           "(converting the weights works: no tensor depends on it)")
+    return dict(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
+
+
+def _check_forward(hf: architectures.HFConfig) -> None:
+    architectures.check_activation(hf)
+    eps = hf.get("rms_norm_eps", 1e-6)
+    if eps != _HF_LATENT_NORM_EPS:
+        raise _unsupported(f"rms_norm_eps={eps} is not supported; HF's latent norms always use "
+                           f"{_HF_LATENT_NORM_EPS} and Megatron uses one eps for all norms")
 
 
 def _mtp_fields(hf: architectures.HFConfig) -> dict:
@@ -105,15 +124,12 @@ def _mtp_fields(hf: architectures.HFConfig) -> dict:
     return dict(mtp_num_layers=mtp_layers, mtp_loss_scaling_factor=0.1)
 
 
-def deepseek_v3(hf: architectures.HFConfig) -> ModelSpec:
-    if hf.get("hidden_act", "silu") != "silu":
-        raise _unsupported(f"hidden_act={hf['hidden_act']!r} is not supported; supported: 'silu'")
+def deepseek_v3(hf: architectures.HFConfig, weights_only: bool = False) -> ModelSpec:
+    forward_only = architectures.forward_only
+    forward_only(weights_only, lambda: _check_forward(hf), None)
     if hf.get("attention_bias"):
         raise _unsupported("attention_bias=true is not supported (Megatron's MLA projections have no bias)")
     eps = hf.get("rms_norm_eps", 1e-6)
-    if eps != _HF_LATENT_NORM_EPS:
-        raise _unsupported(f"rms_norm_eps={eps} is not supported; HF's latent norms always use "
-                           f"{_HF_LATENT_NORM_EPS} and Megatron uses one eps for all norms")
     heads = hf["num_attention_heads"]
     if (hf.get("num_key_value_heads") or heads) != heads:
         raise _unsupported(f"num_key_value_heads={hf['num_key_value_heads']} != num_attention_heads={heads} "
@@ -148,7 +164,8 @@ def deepseek_v3(hf: architectures.HFConfig) -> ModelSpec:
         moe_router_load_balancing_type="seq_aux_loss",
         moe_aux_loss_coeff=hf.get("aux_loss_alpha", 1e-3),
         **_router_fields(hf),
-        **_rope_fields(hf),
+        **forward_only(weights_only, lambda: _routing_fields(hf), {}),
+        **forward_only(weights_only, lambda: _rope_fields(hf), _PLAIN_ROPE),
         **_mtp_fields(hf),
     )
     return ModelSpec(

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 
 from rlmega.models.mtp_model import gpt_model_with_mtp
+from rlmega.models.reward_head import ScoreHeadSpec, attach_score_head
 from rlmega.parallel.layout import ParallelLayout
 
 VOCAB_DIVISIBLE_BY = 128
@@ -39,7 +40,8 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = VOCAB_DIVISI
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """Everything needed to build the Megatron twin of a Hugging Face causal LM."""
+    """Everything needed to build the Megatron twin of a Hugging Face causal LM (or of a sequence
+    classifier: the same trunk with a score head)."""
 
     architecture: str
     """The HF ``architectures`` entry this spec came from."""
@@ -52,6 +54,15 @@ class ModelSpec:
     tie_word_embeddings: bool
     rope_scaling_factor: Optional[float] = None
     """Llama-3 style RoPE scaling factor, or None for plain RoPE."""
+    score_head: Optional[ScoreHeadSpec] = None
+    """A ``*ForSequenceClassification`` checkpoint's score head, which replaces the LM head
+    (``rlmega.models.reward_head``); None for a causal LM."""
+    notes: tuple[str, ...] = ()
+    """One-line remarks on how the checkpoint was read (e.g. MTP layers config.json announces but the
+    weights lack), for the command line to show once."""
+    unused_hf_prefixes: tuple[str, ...] = ()
+    """HF tensor names starting with these are in the checkpoint but not built (MTP layers turned off);
+    the importer leaves them unread."""
 
     @property
     def num_layers(self) -> int:
@@ -73,6 +84,8 @@ class ModelSpec:
             num_attention_heads=self.config["num_attention_heads"],
             num_query_groups=self.config.get("num_query_groups"),
             num_experts=self.num_experts,
+            ffn_hidden_size=self.config.get("ffn_hidden_size"),
+            expert_ffn_hidden_size=self.config.get("moe_ffn_hidden_size"),
         )
 
     def transformer_config(self, layout: ParallelLayout, *, params_dtype: torch.dtype = torch.float32, **overrides):
@@ -176,21 +189,22 @@ def build_chunks(spec: ModelSpec, layout: ParallelLayout, config=None) -> list:
     chunks = []
     for vp_stage in range(layout.virtual_stages):
         stage = vp_stage if virtual else None
-        chunks.append(
-            model_class(
-                config,
-                spec.decoder_spec(config, vp_stage=stage),
-                vocab_size=padded_vocab_size(spec.vocab_size, layout.tp),
-                max_sequence_length=spec.max_sequence_length,
-                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=not virtual, vp_stage=stage),
-                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=not virtual, vp_stage=stage),
-                share_embeddings_and_output_weights=spec.tie_word_embeddings,
-                position_embedding_type="rope",
-                rotary_base=spec.rotary_base,
-                rope_scaling=spec.rope_scaling_factor is not None,
-                rope_scaling_factor=spec.rope_scaling_factor or 8.0,
-                vp_stage=stage,
-                mtp_block_spec=spec.mtp_block_spec(config, vp_stage=stage),
-            )
+        model = model_class(
+            config,
+            spec.decoder_spec(config, vp_stage=stage),
+            vocab_size=padded_vocab_size(spec.vocab_size, layout.tp),
+            max_sequence_length=spec.max_sequence_length,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=not virtual, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=not virtual, vp_stage=stage),
+            share_embeddings_and_output_weights=spec.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=spec.rotary_base,
+            rope_scaling=spec.rope_scaling_factor is not None,
+            rope_scaling_factor=spec.rope_scaling_factor or 8.0,
+            vp_stage=stage,
+            mtp_block_spec=spec.mtp_block_spec(config, vp_stage=stage),
         )
+        if spec.score_head is not None:
+            attach_score_head(model, spec.score_head, config)
+        chunks.append(model)
     return chunks

@@ -104,26 +104,42 @@ class ParallelLayout:
         num_attention_heads: int,
         num_query_groups: Optional[int] = None,
         num_experts: Optional[int] = None,
+        ffn_hidden_size: Optional[int] = None,
+        expert_ffn_hidden_size: Optional[int] = None,
     ) -> None:
-        """Raise LayoutError unless the model can be split this way."""
-        if num_attention_heads % self.tp:
-            raise LayoutError(
-                f"num_attention_heads={num_attention_heads} is not divisible by tp={self.tp}"
-            )
+        """Raise LayoutError unless the model can be split this way; the message proposes degrees
+        (or uneven stages) that can."""
         groups = num_query_groups or num_attention_heads
-        if groups % self.tp:
-            raise LayoutError(f"num_query_groups={groups} is not divisible by tp={self.tp}")
+        for name, size in (("num_attention_heads", num_attention_heads), ("num_query_groups", groups),
+                           ("ffn_hidden_size", ffn_hidden_size)):
+            if size and size % self.tp:
+                raise LayoutError(f"{name}={size} is not divisible by tp={self.tp}; "
+                                  f"valid tp: {_divisors_of_all(num_attention_heads, groups, ffn_hidden_size)}")
         if self.uneven_stages:
             self._check_uneven_stages(num_layers)
         elif num_layers % (self.pp * self.virtual_stages):
             raise LayoutError(
                 f"num_layers={num_layers} is not divisible by pp*vpp = "
-                f"{self.pp}*{self.virtual_stages} = {self.pp * self.virtual_stages}"
+                f"{self.pp}*{self.virtual_stages} = {self.pp * self.virtual_stages}; "
+                f"{_stage_proposal(num_layers, self.pp, self.virtual_stages)}"
             )
-        if self.ep > 1 and not num_experts:
-            raise LayoutError(f"ep={self.ep} needs a MoE model, but the model has no experts")
-        if num_experts and num_experts % self.ep:
-            raise LayoutError(f"num_experts={num_experts} is not divisible by ep={self.ep}")
+        if not num_experts:
+            if self.ep > 1:
+                raise LayoutError(f"ep={self.ep} needs a MoE model, but the model has no experts")
+            if self.etp is not None and self.etp != self.tp:
+                raise LayoutError(f"etp={self.etp} splits experts, but the model has none; leave etp unset")
+            return
+        if num_experts % self.ep:
+            raise LayoutError(f"num_experts={num_experts} is not divisible by ep={self.ep}; "
+                              f"valid ep: {self._valid_ep(num_experts)}")
+        if expert_ffn_hidden_size and expert_ffn_hidden_size % self.expert_tp:
+            raise LayoutError(f"the experts' ffn_hidden_size={expert_ffn_hidden_size} is not divisible by "
+                              f"etp={self.expert_tp}; valid etp: {_divisors_of_all(expert_ffn_hidden_size, self.tp * self.cp * self.dp)}")
+
+    def _valid_ep(self, num_experts: int) -> str:
+        """Expert-parallel degrees that split the experts and fit the dense ranks at this etp."""
+        dense_ranks = self.tp * self.cp * self.dp
+        return _listed(e for e in range(1, num_experts + 1) if not num_experts % e and not dense_ranks % (e * self.expert_tp))
 
     def _check_uneven_stages(self, num_layers: int) -> None:
         first, last = self.first_stage_layers or 0, self.last_stage_layers or 0
@@ -132,15 +148,58 @@ class ParallelLayout:
         if middle_layers < 0 or (middle_stages == 0 and middle_layers) or (middle_stages and middle_layers % middle_stages):
             raise LayoutError(
                 f"num_layers={num_layers} minus first_stage_layers={first} and last_stage_layers={last} "
-                f"leaves {middle_layers} layers, which do not split evenly over the other {middle_stages} stage(s)"
+                f"leaves {middle_layers} layers, which do not split evenly over the other {middle_stages} stage(s); "
+                f"{_stage_proposal(num_layers, self.pp)}"
             )
 
     def describe(self) -> str:
         vpp = f" vpp={self.vpp}" if self.virtual_stages > 1 else ""
+        uneven = "".join(f" {name}={getattr(self, name)}" for name in ("first_stage_layers", "last_stage_layers")
+                         if getattr(self, name) is not None)
         return (
-            f"tp={self.tp} pp={self.pp}{vpp} cp={self.cp} ep={self.ep} etp={self.expert_tp} "
+            f"tp={self.tp} pp={self.pp}{vpp}{uneven} cp={self.cp} ep={self.ep} etp={self.expert_tp} "
             f"dp={self.dp} (world {self.world_size})"
         )
+
+
+def _listed(values) -> str:
+    return ", ".join(str(value) for value in values) or "none"
+
+
+def _divisors_of_all(*sizes: Optional[int]) -> str:
+    sizes = [size for size in sizes if size]
+    return _listed(d for d in range(1, min(sizes) + 1) if all(size % d == 0 for size in sizes))
+
+
+def uneven_stage_options(num_layers: int, pp: int) -> list[tuple[Optional[int], Optional[int], int]]:
+    """(first_stage_layers, last_stage_layers, layers per other stage) that split ``num_layers`` over
+    ``pp`` stages, best first: the other stages as even as possible, the first and last (which also
+    hold the embedding and the LM head) no heavier than them and as close to them as possible."""
+    options = []
+    for middle in range(max(1, num_layers // pp), -(-num_layers // max(1, pp - 2)) + 1):
+        for first in (None, *range(1, middle + 1)):
+            for last in (None, *range(1, middle + 1)):
+                inner = pp - (first is not None) - (last is not None)
+                rest = num_layers - (first or 0) - (last or 0)
+                even = (first or middle) == (last or middle) == middle
+                if not even and inner > 0 and rest == inner * middle:
+                    options.append((first, last, middle))
+    # Ties: the last stage (which computes the logits) no heavier than the first.
+    return sorted(options, key=lambda o: (o[2], -min(o[0] or o[2], o[1] or o[2]), (o[0] is None) + (o[1] is None),
+                                          (o[1] or o[2]) - (o[0] or o[2])))
+
+
+def _stage_proposal(num_layers: int, pp: int, vpp: int = 1) -> str:
+    even = [p for p in range(1, num_layers + 1) if num_layers % p == 0]
+    if vpp > 1:
+        return f"uneven stages need vpp=1; pp*vpp values that split it evenly: {_listed(even)}"
+    options = uneven_stage_options(num_layers, pp) if pp > 1 else []
+    proposals = [f"leave both unset ({num_layers // pp} on every stage)"] if pp > 1 and num_layers % pp == 0 else []
+    for first, last, middle in options[:2]:
+        named = " ".join(f"{n}={v}" for n, v in (("first_stage_layers", first), ("last_stage_layers", last)) if v)
+        proposals.append(f"set {named} ({middle} on each other stage)")
+    uneven = f"with pp={pp}: {' or '.join(proposals)}; " if proposals else ""
+    return f"{uneven}pp values that split it evenly: {_listed(even)}"
 
 
 def zigzag_positions(length: int, cp: int, rank: int) -> torch.Tensor:

@@ -5,12 +5,14 @@
 ``body(rank, world_size, *args)`` runs in a fresh process with ``torch.distributed`` initialised
 over gloo and the CPU platform enabled; its return values come back as a list indexed by rank.
 The first rank that raises or dies fails the whole run with that rank's traceback; every other
-rank is then killed, so no process outlives the call.
+rank is then killed, so no process outlives the call. ``RankFailure.cause`` is the one line to show a
+person: the exception's message, without the traceback or the rank.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -18,7 +20,8 @@ import signal
 import socket
 import time
 import traceback
-from typing import Any, Callable, Sequence
+import warnings
+from typing import Any, Callable, Optional, Sequence
 
 _POLL_S = 0.05
 _KILL_GRACE_S = 5.0
@@ -28,10 +31,29 @@ _SETTLE_S = 1.0
 class RankFailure(RuntimeError):
     """A rank raised, died or did not finish in time."""
 
-    def __init__(self, rank: int, detail: str):
+    def __init__(self, rank: int, detail: str, error_type: Optional[str] = None, message: Optional[str] = None,
+                 bad_input: bool = False):
         super().__init__(f"rank {rank} failed:\n{detail}")
         self.rank = rank
         self.detail = detail
+        self.error_type = error_type
+        """The exception's class name, when the rank raised."""
+        self.message = message
+        """``str()`` of the exception, when the rank raised."""
+        self.bad_input = bad_input
+        """The exception says the input cannot work (a ``ValueError``, as rlmega's ``UserError``,
+        ``LayoutError``, ``CheckpointError`` and ``UnsupportedModelError`` are), not that the code failed."""
+
+    @property
+    def cause(self) -> str:
+        """One line: a bad input's message as it is; any other exception as ``Type: message``; a
+        rank that died or hung as the harness saw it."""
+        if self.error_type is None:
+            return " ".join(self.detail.split())
+        message = " ".join((self.message or "").split())
+        if self.bad_input and message:
+            return message
+        return f"{self.error_type}: {message}" if message else self.error_type
 
 
 def free_port() -> int:
@@ -41,8 +63,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(body, rank, world_size, port, collective_timeout_s, args, results):
+def _rank_main(body, rank, world_size, port, collective_timeout_s, args, results, quiet):
     os.setpgrp()  # own process group: stopping the rank also stops whatever it started
+    if quiet:  # N ranks would each print the libraries' warnings in front of the one error that matters
+        warnings.simplefilter("ignore")
+        logging.getLogger().setLevel(logging.ERROR)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -69,8 +94,8 @@ def _rank_main(body, rank, world_size, port, collective_timeout_s, args, results
         # the rank's process.
         value = pickle.dumps(body(rank, world_size, *args))
         results.put((rank, True, value))
-    except BaseException:  # noqa: BLE001 - every failure must reach the parent with its traceback
-        results.put((rank, False, traceback.format_exc()))
+    except BaseException as error:  # noqa: BLE001 - every failure must reach the parent with its traceback
+        results.put((rank, False, (traceback.format_exc(), type(error).__name__, str(error), isinstance(error, ValueError))))
         return
     try:
         dist.destroy_process_group()
@@ -103,12 +128,14 @@ def run_on_ranks(
     *,
     timeout_s: float = 120.0,
     args: tuple = (),
+    quiet: bool = False,
 ) -> list:
     """Run ``body(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
 
     ``body`` and ``args`` must be picklable (a module-level function). Returns the per-rank return
     values. Raises RankFailure naming the first rank that raised, exited without a result, or was
-    still running when ``timeout_s`` ran out.
+    still running when ``timeout_s`` ran out. ``quiet``: the ranks print no warnings and no log
+    records below ERROR (command-line tools, whose user should see only the cause of a failure).
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -118,7 +145,7 @@ def run_on_ranks(
     processes = [
         ctx.Process(
             target=_rank_main,
-            args=(body, rank, world_size, port, collective_timeout_s, args, results),
+            args=(body, rank, world_size, port, collective_timeout_s, args, results, quiet),
             name=f"rank{rank}",
             daemon=False,  # ranks may start helper processes (dist_checkpointing does)
         )
@@ -127,7 +154,7 @@ def run_on_ranks(
     for proc in processes:
         proc.start()
     values: dict[int, Any] = {}
-    errors: dict[int, str] = {}  # in arrival order
+    errors: dict[int, tuple] = {}  # in arrival order: (traceback, type name, message, bad input)
     dead: dict[int, int] = {}
     deadline = time.monotonic() + timeout_s
     settle_deadline = None
@@ -164,7 +191,8 @@ def run_on_ranks(
             raise RankFailure(rank, f"process exited with code {dead[rank]} before returning a result")
         if errors:
             rank = next(iter(errors))
-            raise RankFailure(rank, errors[rank])
+            detail, error_type, message, bad_input = errors[rank]
+            raise RankFailure(rank, detail, error_type, message, bad_input)
     finally:
         _stop(processes)
     return [values[rank] for rank in range(world_size)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rlmega.rewards.pool import Outcome, ScoringPool
@@ -27,6 +27,19 @@ class RewardConfig:
     """Longest time one call may take in a worker; a call that overruns scores 0 and its worker is replaced."""
     rules_in_workers: bool = False
     """Run the rule scorers in the worker pool too (with the timeout) instead of in the calling process."""
+    weights: dict[str, float] = field(default_factory=dict)
+    """The reward manager's weight of each component in a response's score (``rlmega.rewards.manager``):
+    any of rule, user_function, reward_model, judge. Empty: the model components that are enabled
+    (``reward_model``, ``judge``) at 1 each; without one, ``user_function`` when it is set, else ``rule``."""
+    data_source_weights: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per ``data_source``, weights that replace entries of ``weights`` for that source's responses, e.g.
+    ``{gsm8k: {rule: 1.0, reward_model: 0.5}}``."""
+    val_weights: dict[str, float] = field(default_factory=dict)
+    """The weights of validation, for every data source; empty: the training weights. E.g. ``{rule: 1.0}``
+    measures accuracy by rule while training scores with a reward model."""
+    monitor: list[str] = field(default_factory=list)
+    """Components to compute and report (``reward/<name>/mean``) for every response even where their weight
+    is 0, e.g. ``[rule]`` to watch the true task while training against a reward model."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -45,11 +58,17 @@ class ScoreItem:
     solution_str: str
     ground_truth: Any
     extra_info: dict[str, Any] | None = None
+    messages: list[dict[str, str]] | None = None
+    """The prompt's chat messages (what a reward model or a judge renders with its own template)."""
+    prompt_token_ids: list[int] | None = None
+    response_token_ids: list[int] | None = None
+    """The token ids the policy saw and produced (what a reward model with the policy's tokenizer scores)."""
 
     @classmethod
-    def from_record(cls, record: Any, solution_str: str) -> ScoreItem:
-        """The item for a decoded response to a ``rlmega.data.PromptRecord``."""
-        return cls(record.data_source, solution_str, record.ground_truth, record.extra_info)
+    def from_record(cls, record: Any, solution_str: str, response_token_ids: list[int] | None = None) -> ScoreItem:
+        """The item for a decoded response to a ``rlmega.data.PromptRecord`` (and its token ids, if given)."""
+        return cls(record.data_source, solution_str, record.ground_truth, record.extra_info, record.messages,
+                   record.prompt_token_ids, response_token_ids)
 
 
 class RewardScorer:

@@ -33,8 +33,9 @@ def parse_function_spec(spec: str) -> tuple[str, str]:
     return path, name
 
 
-def check_function_defined(spec: str) -> None:
-    """UserError unless the file of ``spec`` defines or imports the function's name at its top level.
+def check_function_defined(spec: str, field: str = "reward.user_function") -> None:
+    """UserError (naming the config ``field``) unless the file of ``spec`` defines or imports the
+    function's name at its top level.
 
     The file is parsed, not run: a check before the run starts must not execute user code (which may
     import anything) in the launching process. Names a star import brings in cannot be known and pass."""
@@ -45,7 +46,7 @@ def check_function_defined(spec: str) -> None:
             tree = ast.parse(handle.read(), filename=shown)
     except (SyntaxError, ValueError) as error:
         line = f" line {error.lineno}" if getattr(error, "lineno", None) else ""
-        raise UserError(f"reward.user_function={spec}: {shown}{line}: not valid Python "
+        raise UserError(f"{field}={spec}: {shown}{line}: not valid Python "
                         f"({getattr(error, 'msg', error)})") from None
     functions, other_names, star_import = [], set(), False
     for node in _top_level(tree.body):
@@ -62,7 +63,7 @@ def check_function_defined(spec: str) -> None:
     if name in functions or name in other_names or star_import:
         return
     defined = ", ".join(functions) if functions else "no functions"
-    raise UserError(f"reward.user_function={spec}: {shown} has no function {name} (it defines: {defined})")
+    raise UserError(f"{field}={spec}: {shown} has no function {name} (it defines: {defined})")
 
 
 def _top_level(statements: list[ast.stmt]):

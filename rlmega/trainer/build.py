@@ -1,6 +1,6 @@
 """Starting a run's parts on Ray and handing them to the ``Trainer`` whole.
 
-    trainer = build_trainer(config)      # prompts, training ranks, role groups, engines, resume, metrics
+    trainer = build_trainer(config)      # reward model / judge, prompts, training ranks, role groups, engines, ...
     exit_code = trainer.fit()
 """
 
@@ -18,9 +18,16 @@ from rlmega.trainer.roles import role_groups
 def build_trainer(config: RLConfig) -> Trainer:
     """Every part of the run described by ``config``, started and wired; nothing is left running if
     one of them fails to start."""
-    from rlmega.trainer.cluster import start_workers
+    from rlmega.trainer.cluster import start_reward_workers, start_workers
 
-    prompts = PromptSource(config)
+    reward_model, judge, reward_placement = start_reward_workers(config)
+    try:
+        prompts = PromptSource(config, reward_model=reward_model, judge=judge)  # it owns them from here on
+    except BaseException:
+        for part in (reward_model, judge):
+            if part is not None:
+                part.shutdown()
+        raise
     try:
         job, engines, placement = start_workers(config)
     except BaseException:
@@ -29,7 +36,7 @@ def build_trainer(config: RLConfig) -> Trainer:
     try:
         run_dir = Path(config.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "placement.json").write_text(json.dumps(placement, indent=1))
+        (run_dir / "placement.json").write_text(json.dumps({**placement, **reward_placement}, indent=1))
         actor, reference, critic = role_groups(job, reference=config.needs_reference, critic=config.needs_critic)
         return Trainer(config, prompts, job, actor, engines, reference=reference, critic=critic)
     except BaseException:

@@ -1,9 +1,10 @@
-"""Ray, placement groups and the two worker groups.
+"""Ray, placement groups and the worker groups.
 
 *Colocated*: one bundle per training rank, big enough for the rank and its share of the engines;
 engines run in those bundles and sleep while training runs (training offloads while they
 generate). *Disaggregated*: training ranks and engines get bundles of their own (engines packed
-on few nodes, or spread one per node).
+on few nodes, or spread one per node). A reward model's ranks and a judge's engines always have
+placement groups of their own (``start_reward_workers``): they score while the policy's parts work.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ def connect(config: RLConfig) -> None:
     if address:
         ray.init(address=address, log_to_driver=True)
         return
-    needed = sum(bundle.get("CPU", 0) for bundles in _bundles(config) for bundle in bundles)
+    groups = (*_bundles(config), *_reward_bundles(config))
+    needed = sum(bundle.get("CPU", 0) for bundles in groups for bundle in bundles)
     ray.init(address="local", num_cpus=max(math.ceil(needed), os.cpu_count() or 1), include_dashboard=False,
              _node_ip_address="127.0.0.1", log_to_driver=True)
 
@@ -65,7 +67,7 @@ def start_workers(config: RLConfig, *, with_rollout: bool = True):
         engine_pg = placement_group(engine_bundles, strategy=strategy)
         _wait_ready(engine_pg, "placing rollout engines", config.cluster.timeout_s)
         engine_bundle = lambda index: index  # noqa: E731
-    training = TrainingRanks(config, training_pg, total_steps=config.trainer.total_steps)
+    training = TrainingRanks.for_policy(config, training_pg, total_steps=config.trainer.total_steps)
     if not with_rollout:
         return training, None, {"placement": config.rollout.placement, "training_ranks": training.nodes, "engines": []}
     try:
@@ -76,6 +78,63 @@ def start_workers(config: RLConfig, *, with_rollout: bool = True):
         raise
     placement = {"placement": config.rollout.placement, "training_ranks": training.nodes, "engines": rollout.nodes}
     return training, rollout, placement
+
+
+def start_reward_workers(config: RLConfig):
+    """(RewardModelGroup or None, the judge's RolloutGroup or None, their placement description): the
+    reward model's ranks (``reward_model.layout``) and the judge's engines, each in a placement group of
+    its own. Nothing starts (not even Ray) when neither is enabled; on failure, whatever was started is
+    shut down again."""
+    import dataclasses
+
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from rlmega.config.schema import ModelConfig
+    from rlmega.trainer.roles import RewardModelGroup
+    from rlmega.trainer.rollout_group import RolloutGroup
+    from rlmega.trainer.training_group import TrainingRanks
+
+    reward_model = judge = None
+    placement: dict = {}
+    if not (config.reward_model.enable or config.judge.enable):
+        return reward_model, judge, placement
+    connect(config)
+    reward_bundles, judge_bundles = _reward_bundles(config)
+    try:
+        if config.reward_model.enable:
+            reward_pg = placement_group(reward_bundles, strategy="PACK")
+            _wait_ready(reward_pg, "placing reward-model ranks", config.cluster.timeout_s)
+            ranks = TrainingRanks.for_reward_model(config, reward_pg)
+            reward_model = RewardModelGroup(ranks)
+            placement["reward_model_ranks"] = ranks.nodes
+        if config.judge.enable:
+            judge_pg = placement_group(judge_bundles, strategy="PACK")
+            _wait_ready(judge_pg, "placing judge engines", config.cluster.timeout_s)
+            # The judge's engines are rollout engines serving the judge's model.
+            judge_view = dataclasses.replace(config, model=ModelConfig(path=config.judge.path),
+                                             rollout=config.judge.engine_config())
+            judge = RolloutGroup(judge_view, lambda index: PlacementGroupSchedulingStrategy(
+                judge_pg, placement_group_bundle_index=index))
+            judge.names = [f"judge engine {index}" for index in range(judge.num_engines)]
+            placement["judge_engines"] = judge.nodes
+    except BaseException:
+        for part in (reward_model, judge):
+            if part is not None:
+                part.shutdown()
+        raise
+    return reward_model, judge, placement
+
+
+def _reward_bundles(config: RLConfig) -> tuple[list[dict], list[dict]]:
+    """Placement-group bundles of the reward model's ranks and of the judge's engines (empty when disabled)."""
+    from rlmega.trainer.training_group import RankResources
+
+    judge = config.judge
+    reward = _nonzero(RankResources.of_reward_model(config).bundles()) if config.reward_model.enable else []
+    engines = ([{"CPU": judge.cpus_per_engine, "GPU": judge.gpus_per_engine}] * judge.num_engines
+               if judge.enable else [])
+    return reward, _nonzero(engines)
 
 
 def _bundles(config: RLConfig) -> tuple[list[dict], list[dict]]:

@@ -17,6 +17,8 @@ import torch
 from rlmega import algos
 from rlmega.config.schema import RLConfig
 from rlmega.data.schema import PromptRecord
+from rlmega.rewards.judge import JudgeEngines
+from rlmega.rewards.reward_model import SequenceScorer
 from rlmega.rollout.protocol import Generation, SamplingParams
 from rlmega.trainer.metrics import batch_metrics
 from rlmega.workers.batching import SequenceBatch
@@ -72,13 +74,16 @@ def _seed(base: int, step: int, round_index: int) -> int:
 
 
 class PromptSource:
-    """Owns the tokenizer, the training and validation datasets, the resumable sampler and the scorer."""
+    """Owns the tokenizer, the training and validation datasets, the resumable sampler and the reward manager."""
 
-    def __init__(self, config: RLConfig):
+    def __init__(self, config: RLConfig, *, reward_model: Optional[SequenceScorer] = None,
+                 judge: Optional[JudgeEngines] = None):
+        """``reward_model`` and ``judge`` (started by ``cluster.start_reward_workers``) belong to the prompt
+        source from here on: its reward manager scores with them and ``close`` shuts them down."""
         from transformers import AutoTokenizer
 
         from rlmega.data import PromptDataset, StatefulSampler
-        from rlmega.rewards import RewardScorer
+        from rlmega.trainer.reward_manager import build_reward_manager
 
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
@@ -86,8 +91,11 @@ class PromptSource:
         self.val_dataset = (PromptDataset(config.val_data, self.tokenizer, config_key="val_data")
                             if config.trainer.val_every else None)
         self.sampler = StatefulSampler(len(self.dataset), config.trainer.prompts_per_step, seed=config.trainer.seed)
-        self.scorer = RewardScorer(config.reward)
-        self.scorer.check_data_sources(self.dataset.data_sources)
+        self.rewards = build_reward_manager(config, self.tokenizer, reward_model=reward_model, judge=judge)
+        """The reward manager: rules, user function, reward model and judge, weighted per data source."""
+        self.rewards.check_data_sources(self.dataset.data_sources)
+        if self.val_dataset is not None:
+            self.rewards.check_data_sources(self.val_dataset.data_sources, validation=True)
         self.stop_token_ids = (self.tokenizer.eos_token_id,)
         self.needs_greedy_baseline = config.algorithm.adv_estimator == "remax"
         epochs = config.trainer.total_epochs
@@ -104,12 +112,17 @@ class PromptSource:
                               stop_token_ids=self.stop_token_ids, n=n, seed=seed)
 
     def score(self, records: Sequence, generations: list[Generation]) -> tuple[torch.Tensor, dict[str, float]]:
-        """Scores ``[len(generations)]`` of responses to ``records[g.prompt_index]``, and the scorer's metrics."""
+        """Scores ``[len(generations)]`` of responses to ``records[g.prompt_index]``, and the reward manager's
+        metrics. Responses to validation prompts are scored with the validation weights
+        (``reward.val_weights``). Thread-safe (the manager serialises calls)."""
         from rlmega.rewards import ScoreItem
 
         texts = [self.tokenizer.decode(g.response_token_ids, skip_special_tokens=True) for g in generations]
-        items = [ScoreItem.from_record(records[g.prompt_index], text) for g, text in zip(generations, texts)]
-        scores, metrics = self.scorer.score_batch(items)
+        items = [ScoreItem.from_record(records[g.prompt_index], text, g.response_token_ids)
+                 for g, text in zip(generations, texts)]
+        val = self.val_dataset  # a validation record is the validation dataset's own record at its index
+        validation = val is not None and all(r.index < len(val) and val[r.index] is r for r in records)
+        scores, metrics = self.rewards.score_batch(items, validation=validation)
         return torch.tensor(scores, dtype=torch.float32), metrics
 
     def rollouts(self, engines: Generator, step: int) -> Rollouts:
@@ -249,4 +262,5 @@ class PromptSource:
         self.sampler.load_state_dict(state["sampler"])
 
     def close(self) -> None:
-        self.scorer.close()
+        """End the scoring processes, and the reward model's ranks and the judge's engines if any."""
+        self.rewards.close()

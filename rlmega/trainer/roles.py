@@ -1,13 +1,14 @@
 """The controller's typed view of the workers: one group per role, each with real methods.
 
-``ActorGroup``, ``ReferenceGroup`` and ``CriticGroup`` call the training ranks' methods of the
-same names (``RankProcess``), which call the rank's ``MegatronWorker``: a value can be followed
+``ActorGroup``, ``ReferenceGroup``, ``CriticGroup`` and ``RewardModelGroup`` call the training
+ranks' methods (``RankProcess``), which call the rank's ``MegatronWorker``: a value can be followed
 from the loop into the worker. The Protocols say what the controller needs of each, so a loop
 test can drive the ``Trainer`` with fakes, without Ray or processes.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Optional, Protocol
 
 import torch
@@ -58,6 +59,13 @@ class Reference(Protocol):
 class Critic(Protocol):
     def compute_values(self, batch: SequenceBatch) -> list[torch.Tensor]: ...
     def update(self, batch: SequenceBatch) -> dict[str, float]: ...
+
+
+class RewardModel(Protocol):
+    """What the reward manager needs of a reward model (``rlmega.rewards.reward_model.SequenceScorer``)."""
+
+    def score(self, batch: SequenceBatch) -> torch.Tensor: ...
+    def shutdown(self) -> None: ...
 
 
 def _handles(engines: Engines) -> list:
@@ -118,6 +126,24 @@ class CriticGroup:
 
     def update(self, batch: SequenceBatch) -> dict[str, float]:
         return self._ranks.first(lambda rank: rank.update.remote("critic", batch), "critic update")
+
+
+class RewardModelGroup:
+    """A discriminative reward model (an HF ``*ForSequenceClassification`` checkpoint) on ranks of its own
+    (``TrainingRanks.for_reward_model``). Safe to call from several threads: calls are serialised, so
+    every rank receives the collective calls in the same order."""
+
+    def __init__(self, ranks: TrainingRanks):
+        self._ranks = ranks
+        self._lock = threading.Lock()
+
+    def score(self, batch: SequenceBatch) -> torch.Tensor:
+        """``[B]`` fp32, one score per whole sequence (see ``MegatronWorker.compute_scores``)."""
+        with self._lock:
+            return self._ranks.first(lambda rank: rank.compute_scores.remote(batch), "reward-model scores")
+
+    def shutdown(self) -> None:
+        self._ranks.shutdown()
 
 
 def role_groups(ranks: TrainingRanks, *, reference: bool, critic: bool) -> tuple[ActorGroup, Optional[ReferenceGroup],

@@ -1,13 +1,16 @@
 """The training ranks as Ray actors: one process per rank, hosting that rank's actor, reference and
-critic workers (they share the rank's devices and process groups).
+critic workers (they share the rank's devices and process groups); a reward model's ranks are a group
+of their own, with their own world, layout and placement group.
 
 ``RankProcess`` is what runs in each actor; ``TrainingRanks`` calls every rank with the same
 arguments (the workers are collective) and keeps rank 0's answer. The controller does not call it
-directly: it holds the typed role groups of ``rlmega.trainer.roles``, built on one ``TrainingRanks``.
+directly: it holds the typed role groups of ``rlmega.trainer.roles``, built on one ``TrainingRanks``
+(``TrainingRanks.for_policy``; ``TrainingRanks.for_reward_model`` for the reward model's group).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import socket
 from pathlib import Path
@@ -37,20 +40,12 @@ class RankProcess:
         return ip, port, ray.get_runtime_context().get_node_id()
 
     def setup(self, master: tuple[str, int], config: RLConfig, total_steps: int) -> None:
-        import torch
-        import torch.distributed as dist
-
+        """This rank of the policy's world: the actor, and the reference and critic when the run needs them."""
         from rlmega.models import model_spec_from_hf
-        from rlmega.parallel.layout import default_backend, initialize
         from rlmega.workers.worker import MegatronWorker
 
-        torch.set_num_threads(max(1, int(config.cluster.cpus_per_rank)))
-        timeout = datetime.timedelta(seconds=config.cluster.timeout_s)
-        dist.init_process_group(default_backend(), init_method=f"tcp://{master[0]}:{master[1]}",
-                                rank=self.rank, world_size=self.world_size, timeout=timeout)
-        self.layout = config.layout.build()
-        initialize(self.layout, timeout_s=config.cluster.timeout_s, seed=config.trainer.seed)
-        self.spec = model_spec_from_hf(config.model.path)
+        self._join(master, config.layout, config.cluster.cpus_per_rank, config)
+        self.spec = model_spec_from_hf(config.model.path, mtp=config.model.mtp)
         roles = {"actor": config.actor}
         if config.needs_reference:
             roles["ref"] = config.ref
@@ -62,6 +57,32 @@ class RankProcess:
             self.workers[name] = MegatronWorker(self.spec, self.layout, worker_config, hf_dir=config.model.path,
                                                 total_steps=total_steps)
 
+    def setup_reward_model(self, master: tuple[str, int], config: RLConfig) -> None:
+        """This rank of the reward model's own world: its layout, and the reward worker loaded from
+        ``reward_model.path`` (a sequence-classification checkpoint) through the bridge."""
+        from rlmega.models import model_spec_from_hf
+        from rlmega.workers.worker import MegatronWorker
+
+        reward = config.reward_model
+        self._join(master, reward.layout, reward.cpus_per_rank, config)
+        self.spec = model_spec_from_hf(reward.path)
+        self.reference_warm_started = False
+        self.workers["reward"] = MegatronWorker(self.spec, self.layout, reward.worker_config(), hf_dir=reward.path)
+
+    def _join(self, master: tuple[str, int], layout, cpus: float, config: RLConfig) -> None:
+        """Join this group's process group at ``master`` and build Megatron's groups for ``layout``."""
+        import torch
+        import torch.distributed as dist
+
+        from rlmega.parallel.layout import default_backend, initialize
+
+        torch.set_num_threads(max(1, int(cpus)))
+        timeout = datetime.timedelta(seconds=config.cluster.timeout_s)
+        dist.init_process_group(default_backend(), init_method=f"tcp://{master[0]}:{master[1]}",
+                                rank=self.rank, world_size=self.world_size, timeout=timeout)
+        self.layout = layout.build()
+        initialize(self.layout, timeout_s=config.cluster.timeout_s, seed=config.trainer.seed)
+
     def _rank0(self, result: Any) -> Any:
         return result if self.rank == 0 else None
 
@@ -72,6 +93,9 @@ class RankProcess:
 
     def compute_values(self, batch: SequenceBatch):
         return self._rank0(self.workers["critic"].compute_values(batch))
+
+    def compute_scores(self, batch: SequenceBatch):
+        return self._rank0(self.workers["reward"].compute_scores(batch))
 
     def update(self, role: str, batch: SequenceBatch) -> Optional[dict]:
         return self._rank0(self.workers[role].update(batch))
@@ -115,8 +139,8 @@ class RankProcess:
     def set_offloaded(self, offloaded: bool) -> int:
         """Offload (or onload) the trained roles; the bytes moved on this rank."""
         moved = 0
-        for name, worker in self.workers.items():
-            if name != "ref" and worker.offloaded != offloaded:
+        for worker in self.workers.values():
+            if worker.config.trains and worker.offloaded != offloaded:
                 moved += worker.offload() if offloaded else worker.onload()
         return moved
 
@@ -127,7 +151,7 @@ class RankProcess:
 
         paths = {}
         for name in sorted(self.workers, key=lambda role: role == "actor"):
-            if name != "ref" or self.reference_warm_started:
+            if self._keeps_checkpoints(name):
                 paths[name] = str(self.workers[name].save_checkpoint(Path(root) / name, extra, step=extra["step"]))
         if keep is not None and self.rank == 0:
             for name in paths:
@@ -139,9 +163,13 @@ class RankProcess:
 
         extra = {}
         for name, worker in self.workers.items():
-            if name != "ref" or self.reference_warm_started:
+            if self._keeps_checkpoints(name):
                 extra = worker.load_checkpoint(iteration_dir(Path(root) / name, step))
         return self._rank0(extra)
+
+    def _keeps_checkpoints(self, name: str) -> bool:
+        """The trained roles, and a warm-started reference; not the frozen models loaded from HF."""
+        return self.workers[name].config.trains or (name == "ref" and self.reference_warm_started)
 
     def shutdown(self) -> None:
         import torch.distributed as dist
@@ -156,30 +184,71 @@ def _parameters(chunks: list):
         yield from chunk.parameters()
 
 
-class TrainingRanks:
-    """``layout.world_size`` rank actors placed in ``placement_group`` bundles 0..world_size-1."""
+@dataclasses.dataclass(frozen=True)
+class RankResources:
+    """How many rank actors a group has, what each asks of Ray, and what they are called in errors."""
 
-    def __init__(self, config: RLConfig, placement_group, total_steps: int):
+    world_size: int
+    cpus_per_rank: float
+    gpus_per_rank: float
+    name: str
+
+    @classmethod
+    def of_policy(cls, config: RLConfig) -> RankResources:
+        return cls(config.layout.world_size, config.cluster.cpus_per_rank, config.cluster.gpus_per_rank,
+                   "training rank")
+
+    @classmethod
+    def of_reward_model(cls, config: RLConfig) -> RankResources:
+        reward = config.reward_model
+        return cls(reward.layout.world_size, reward.cpus_per_rank, reward.gpus_per_rank, "reward-model rank")
+
+    def bundles(self) -> list[dict]:
+        """One placement-group bundle per rank."""
+        return [{"CPU": self.cpus_per_rank, "GPU": self.gpus_per_rank}] * self.world_size
+
+
+class TrainingRanks:
+    """``resources.world_size`` rank actors placed in ``placement_group`` bundles 0..world_size-1, one
+    world of their own; ``setup(rank, master)`` builds each rank's workers (a ``.remote`` call)."""
+
+    def __init__(self, resources: RankResources, placement_group, timeout_s: float,
+                 setup: Callable[[Any, tuple[str, int]], Any]):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self.timeout_s = config.cluster.timeout_s
-        world_size = config.layout.world_size
+        self.timeout_s = timeout_s
+        world_size = resources.world_size
         actor_class = ray.remote(RankProcess)
         self.ranks = [
             actor_class.options(
-                num_cpus=config.cluster.cpus_per_rank, num_gpus=config.cluster.gpus_per_rank,
+                num_cpus=resources.cpus_per_rank, num_gpus=resources.gpus_per_rank,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=rank),
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(max(1, int(config.cluster.cpus_per_rank)))}},
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(max(1, int(resources.cpus_per_rank)))}},
             ).remote(rank, world_size)
             for rank in range(world_size)
         ]
-        self.names = [f"training rank {rank}" for rank in range(world_size)]
-        addresses = self.each(lambda rank: rank.address.remote(), "address")
-        self.nodes = [{"rank": rank, "ip": ip, "node_id": node} for rank, (ip, _, node) in enumerate(addresses)]
-        master = addresses[0][:2]
-        self.each(lambda rank: rank.setup.remote(master, config, total_steps), "setup",
-                  timeout_s=max(self.timeout_s, 600.0))
+        self.names = [f"{resources.name} {rank}" for rank in range(world_size)]
+        try:
+            addresses = self.each(lambda rank: rank.address.remote(), "address")
+            self.nodes = [{"rank": rank, "ip": ip, "node_id": node} for rank, (ip, _, node) in enumerate(addresses)]
+            master = addresses[0][:2]
+            self.each(lambda rank: setup(rank, master), "setup", timeout_s=max(self.timeout_s, 600.0))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @classmethod
+    def for_policy(cls, config: RLConfig, placement_group, total_steps: int) -> TrainingRanks:
+        """The policy's ranks (``layout``): actor, and reference and critic when needed."""
+        return cls(RankResources.of_policy(config), placement_group, config.cluster.timeout_s,
+                   lambda rank, master: rank.setup.remote(master, config, total_steps))
+
+    @classmethod
+    def for_reward_model(cls, config: RLConfig, placement_group) -> TrainingRanks:
+        """The reward model's ranks (``reward_model.layout``), a world of their own."""
+        return cls(RankResources.of_reward_model(config), placement_group, config.cluster.timeout_s,
+                   lambda rank, master: rank.setup_reward_model.remote(master, config))
 
     def each(self, call: Callable[[Any], Any], what: str, timeout_s: Optional[float] = None) -> list:
         """``call(rank_handle)`` (a ``.remote(...)`` call) on every rank; all answers, in rank order."""

@@ -84,6 +84,18 @@ class SequenceBatch:
         return self.temperature if self.temperature > 0 else 1.0
 
 
+def reading_at(batch: SequenceBatch, positions: list[int]) -> SequenceBatch:
+    """A batch on which the heads read one output per sequence, at ``positions[i]`` of sequence i.
+
+    The heads read the outputs at the positions that predict response tokens. Sequence i becomes
+    its tokens up to ``positions[i]`` and one placeholder token as the whole response, so that
+    position is its only one; under causal attention its output is the one in the whole sequence
+    (the cut tokens come after it, the placeholder only sees it). Fields and prompts are dropped.
+    """
+    tokens = [torch.cat([seq[:at + 1], seq[at:at + 1]]) for seq, at in zip(batch.tokens, positions)]
+    return SequenceBatch(tokens, [at + 1 for at in positions])
+
+
 def balance_across_ranks(lengths: list[int], num_ranks: int) -> list[list[int]]:
     """Indices of the sequences each rank gets, balancing token counts (longest-first greedy).
 

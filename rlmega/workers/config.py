@@ -7,7 +7,7 @@ import dataclasses
 import inspect
 from typing import Optional
 
-ROLES = ("actor", "ref", "critic")
+ROLES = ("actor", "ref", "critic", "reward")
 LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
 
 
@@ -34,12 +34,18 @@ class OptimizerConfig:
     distributed_optimizer: Optional[bool] = None
     """Shard optimizer state over data-parallel ranks; None: on with NCCL, off with gloo (which has no
     reduce-scatter)."""
+    cpu_offload_fraction: float = 0.0
+    """Share of the optimizer state (fp32 master weights, Adam moments) kept and stepped in host memory
+    (Megatron's ``optimizer_cpu_offload`` / ``optimizer_offload_fraction``): GPU memory for CPU time.
+    Needs the distributed optimizer (NCCL, GPU); 0 keeps it on the GPU."""
 
     def __post_init__(self):
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"optimizer.lr_schedule={self.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"optimizer needs 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
+        if not 0 <= self.cpu_offload_fraction <= 1:
+            raise ValueError(f"optimizer.cpu_offload_fraction must be in [0, 1], got {self.cpu_offload_fraction}")
 
 
 @dataclasses.dataclass
@@ -133,7 +139,8 @@ class CriticLossConfig:
 @dataclasses.dataclass
 class WorkerConfig:
     role: str = "actor"
-    """actor: log-probs and policy updates; ref: log-probs only; critic: values and value updates."""
+    """actor: log-probs and policy updates; ref: log-probs only; critic: values and value updates;
+    reward: a sequence-classification reward model's scores only."""
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     batching: BatchingConfig = dataclasses.field(default_factory=BatchingConfig)
     policy_loss: PolicyLossConfig = dataclasses.field(default_factory=PolicyLossConfig)
@@ -169,7 +176,7 @@ class WorkerConfig:
 
     def __post_init__(self):
         if self.role not in ROLES:
-            raise ValueError(f"worker role {self.role!r} must be one of actor, ref, critic")
+            raise ValueError(f"worker role {self.role!r} must be one of {', '.join(ROLES)}")
         if self.ppo_epochs < 1 or self.ppo_mini_batches < 1:
             raise ValueError("ppo_epochs and ppo_mini_batches must be >= 1")
         if self.dtype not in (None, "bf16", "fp32"):
@@ -202,4 +209,4 @@ class WorkerConfig:
 
     @property
     def trains(self) -> bool:
-        return self.role != "ref"
+        return self.role not in ("ref", "reward")

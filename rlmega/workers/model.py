@@ -1,12 +1,14 @@
 """Building a worker's Megatron model, optimizer and learning-rate schedule for a parallel layout.
 
-The critic is the same backbone with its output layer replaced by a scalar value head.
+The critic is the same backbone with its output layer replaced by a scalar value head; the reward
+model is a sequence-classification checkpoint, whose score head the model builder adds itself.
 """
 
 from __future__ import annotations
 
 import torch
 
+from rlmega.models.reward_head import ScoreHead
 from rlmega.models.spec import ModelSpec, build_chunks, has_transformer_engine
 from rlmega.parallel.layout import ParallelLayout
 from rlmega.workers.config import OptimizerConfig, WorkerConfig
@@ -23,27 +25,15 @@ def resolve_dtype(config: WorkerConfig) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[config.dtype]
 
 
-class ValueHead(torch.nn.Module):
-    """Hidden state -> scalar value, in the output layer's place (same call signature as Megatron's).
-
-    Every tensor-parallel rank holds the whole ``[1, hidden]`` weight. With sequence parallelism its
-    input is this rank's slice of the sequence, so it gathers the sequence back, and its gradient
-    is summed over TP ranks like a layer norm's (``sequence_parallel`` attribute).
-    """
-
-    def __init__(self, hidden_size: int, sequence_parallel: bool, dtype: torch.dtype):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
-        self.weight.sequence_parallel = sequence_parallel
-        self.weight.is_value_head = True  # the bridge skips it: HF checkpoints have no value head
-        self.sequence_parallel = sequence_parallel
-
-    def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
-        if self.sequence_parallel:
-            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-
-            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=True)
-        return torch.nn.functional.linear(hidden_states, self.weight), None
+def value_head(config) -> ScoreHead:
+    """The critic's scalar value head, in the output layer's place: a one-label score head
+    (``rlmega.models.reward_head.ScoreHead``: whole on every TP rank, gradients exact under sequence
+    parallelism), zero at the start, and marked so that the bridge skips it (HF checkpoints have no
+    value head)."""
+    head = ScoreHead(config, num_labels=1)
+    torch.nn.init.zeros_(head.weight)
+    head.weight.is_value_head = True
+    return head
 
 
 def build_model(spec: ModelSpec, layout: ParallelLayout, config: WorkerConfig) -> tuple[list, object]:
@@ -56,6 +46,7 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, config: WorkerConfig) -
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.transformer.module import Float16Module
 
+    check_head(spec, config.role)
     dtype = resolve_dtype(config)
     sequence_parallel = layout.tp > 1 if config.sequence_parallel is None else config.sequence_parallel
     if config.role == "critic" and spec.tie_word_embeddings:
@@ -82,7 +73,7 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, config: WorkerConfig) -
     if config.role == "critic":
         for model in models:
             if model.post_process:
-                model.output_layer = ValueHead(transformer_config.hidden_size, sequence_parallel, dtype)
+                model.output_layer = value_head(transformer_config)
     if dtype != torch.float32:
         models = [Float16Module(transformer_config, model) for model in models]
     if not config.trains:
@@ -97,6 +88,21 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, config: WorkerConfig) -
     transformer_config.finalize_model_grads_func = finalize_model_grads
     transformer_config.no_sync_func = [chunk.no_sync for chunk in chunks] if len(chunks) > 1 else chunks[0].no_sync
     return chunks, transformer_config
+
+
+def check_head(spec: ModelSpec, role: str) -> None:
+    """Refuse a checkpoint whose output head cannot serve ``role``: log-probs need an LM head, a
+    reward model one score per sequence (a single-label score head)."""
+    from rlmega.models import ARCHITECTURES
+
+    if role == "reward" and (spec.score_head is None or spec.score_head.num_labels != 1):
+        has = "an LM head" if spec.score_head is None else f"a score head of {spec.score_head.num_labels} labels"
+        classifiers = ", ".join(name for name in ARCHITECTURES if name.endswith("ForSequenceClassification"))
+        raise ValueError(f"the reward role needs a sequence-classification checkpoint with num_labels=1 "
+                         f"({classifiers}); this {spec.architecture} has {has}")
+    if role in ("actor", "ref") and spec.score_head is not None:
+        raise ValueError(f"the {role} computes log-probs and needs a causal LM; this {spec.architecture} has a "
+                         "score head in place of the LM head (use it with role reward)")
 
 
 def _untied(spec: ModelSpec) -> ModelSpec:
@@ -117,12 +123,19 @@ def build_optimizer(chunks: list, config: OptimizerConfig, dtype: torch.dtype, t
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    offload = config.cpu_offload_fraction > 0
+    if offload and not use_distributed_optimizer(config):
+        raise ValueError("optimizer.cpu_offload_fraction needs the distributed optimizer (NCCL on GPUs; "
+                         "optimizer.distributed_optimizer null or true), which this run does not use")
     optimizer = get_megatron_optimizer(
         MegatronOptimizerConfig(
             optimizer="adam", lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
             adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
             clip_grad=config.clip_grad, bf16=dtype == torch.bfloat16, fp16=False, params_dtype=dtype,
             use_distributed_optimizer=use_distributed_optimizer(config),
+            # Megatron's HybridDeviceOptimizer: that share of the state is kept and stepped on the CPU.
+            optimizer_cpu_offload=offload, optimizer_offload_fraction=config.cpu_offload_fraction,
+            overlap_cpu_optimizer_d2h_h2d=offload,
         ),
         chunks,
     )

@@ -73,6 +73,8 @@ class HostOffload:
         moved = 0
         pin = torch.cuda.is_available()
         for storage in list(_storages(tensors)):
+            if pin and storage.device.type == "cpu":
+                continue  # already in host memory (a CPU-offloaded optimizer's state)
             host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
             host.untyped_storage().copy_(storage)
             self._saved.append(_Saved(storage, host))

@@ -1,4 +1,5 @@
-"""The Megatron worker: one class for the actor, the reference and the critic, chosen by config.
+"""The Megatron worker: one class for the actor, the reference, the critic and the reward model,
+chosen by config.
 
 Every rank of a layout holds one ``MegatronWorker`` and calls the same methods with the same
 whole batch (a ``SequenceBatch``); each rank picks its data-parallel share itself, and results
@@ -21,12 +22,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from rlmega.models.reward_head import score_position
 from rlmega.models.spec import ModelSpec, has_transformer_engine
 from rlmega.parallel.layout import ParallelLayout
 from rlmega.workers import checkpoint, heads
 from rlmega.workers.batching import (
-    MicroBatch, SequenceBatch, balance_across_ranks, build_micro_batch, count_micro_batches, row_multiple,
-    split_by_token_budget,
+    MicroBatch, SequenceBatch, balance_across_ranks, build_micro_batch, count_micro_batches, reading_at,
+    row_multiple, split_by_token_budget,
 )
 from rlmega.workers.config import WorkerConfig
 from rlmega.workers.context_parallel import split_micro_batch
@@ -63,8 +65,8 @@ class MegatronWorker:
     def compute_logprobs(self, batch: SequenceBatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per sequence, the log-probs and entropies ``[R_i]`` of its response tokens (fp32), under
         the batch's sampling temperature (``softmax(logits / batch.temperature)``)."""
-        if self.config.role == "critic":
-            raise RuntimeError("compute_logprobs needs an actor or ref worker; this one is a critic")
+        if self.config.role not in ("actor", "ref"):
+            raise RuntimeError(f"compute_logprobs needs an actor or ref worker; this one is the {self.config.role}")
         micro_batches = self._micro_batches(batch)
         head = heads.logprob_head(self.spec.vocab_size, self.config.batching.logprob_chunk_tokens, batch.logit_scale)
         with self._on_device(), torch.no_grad():
@@ -82,6 +84,22 @@ class MegatronWorker:
             results = run_schedule(self.chunks, micro_batches, heads.value_head(), forward_only=True)
         return scatter_outputs(results, micro_batches, "values", batch.response_lengths)
 
+    def compute_scores(self, batch: SequenceBatch) -> torch.Tensor:
+        """``[B]`` fp32: the reward model's score of each whole sequence (prompt and response), read
+        where transformers' ``*ForSequenceClassification`` reads it: at the sequence's last token that
+        is not the config's ``pad_token_id``, or at its last token when there is none
+        (``rlmega.models.reward_head.score_position``). Prompt lengths, fields and temperature are
+        not used."""
+        if self.config.role != "reward":
+            raise RuntimeError(f"compute_scores needs a reward worker; this one is the {self.config.role}")
+        pad_token_id = self.spec.score_head.pad_token_id
+        scoring = reading_at(batch, [score_position(tokens, pad_token_id) for tokens in batch.tokens])
+        micro_batches = self._micro_batches(scoring)
+        # The score head's output at each sequence's one read position, as the critic reads its values.
+        with self._on_device(), torch.no_grad():
+            results = run_schedule(self.chunks, micro_batches, heads.value_head(), forward_only=True)
+        return torch.cat(scatter_outputs(results, micro_batches, "values", scoring.response_lengths))
+
     # ---- training -------------------------------------------------------------------------
 
     def update(self, batch: SequenceBatch) -> dict[str, float]:
@@ -92,7 +110,7 @@ class MegatronWorker:
         ``actor/...`` or ``critic/...``.
         """
         if not self.config.trains:
-            raise RuntimeError("the reference worker does not train; use role actor or critic")
+            raise RuntimeError(f"the {self.config.role} worker does not train; use role actor or critic")
         if len(batch) < self.config.ppo_mini_batches:
             raise ValueError(f"batch of {len(batch)} sequences cannot make ppo_mini_batches={self.config.ppo_mini_batches}")
         steps = []

@@ -285,3 +285,26 @@ def test_training_forward_computes_the_mtp_loss_and_trains_the_mtp_layer(mtp_che
     expected = torch.nn.functional.cross_entropy(padded.reshape(-1, padded.shape[-1]), labels[:, 1:].reshape(-1))
     assert mtp_loss == pytest.approx(expected.item(), abs=1e-4)
     assert eh_proj_grad > 0
+
+
+def _load_without_mtp(rank, world_size, layout, hf_dir):
+    initialize(layout)
+    spec = model_spec_from_hf(hf_dir, mtp="off")
+    chunks = build_chunks(spec, layout)
+    load_hf_weights(chunks, spec, hf_dir)
+    logits = _megatron_logits(chunks, probe_tokens())
+    names = sorted(name for name, _ in export_hf_weights(chunks, spec))
+    destroy()
+    return logits, names
+
+
+def test_mtp_off_builds_the_main_model_and_leaves_the_mtp_weights_unread(mtp_checkpoint):
+    """model.mtp=off with a checkpoint that holds the MTP layer (DeepSeek's release): no MTP block, its
+    tensors neither loaded nor refused as unexpected, the main logits HF's, and no MTP tensor exported."""
+    directory, hf_logits, _ = mtp_checkpoint
+    spec = model_spec_from_hf(directory, mtp="off")
+    assert spec.mtp_num_layers == 0 and spec.unused_hf_prefixes == (f"{MTP}.",) and not spec.notes
+    [(logits, names)] = run_on_ranks(_load_without_mtp, 1, timeout_s=TIMEOUT_S, args=(ParallelLayout(world_size=1), str(directory)))
+    assert torch.allclose(logits, hf_logits, atol=LOGITS_ATOL)
+    assert names == sorted(name for name in load_file(Path(directory) / "model.safetensors") if not name.startswith(f"{MTP}."))
+    assert model_spec_from_hf(directory).mtp_num_layers == 1  # auto: the weights are there

@@ -8,6 +8,7 @@ import pytest
 
 from rlmega.config import CONFIG_DIR, ConfigError, RLConfig, load_config, validate
 from rlmega.trainer.assets import prepare_tiny_assets
+from rlmega.trainer.tiny_reward_model import prepare_tiny_reward_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -15,7 +16,10 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
-    prepare_tiny_assets(run_dir / "assets", num_train=64, num_val=16)
+    paths = prepare_tiny_assets(run_dir / "assets", num_train=64, num_val=16)
+    # configs/tiny_cpu_rm.yaml's reward model (a few steps: only its checkpoint is checked here)
+    prepare_tiny_reward_model(run_dir / "assets" / "reward_model", policy_dir=paths["model"],
+                              train_files=[paths["train"]], steps=4, prompts_per_step=4)
     return run_dir
 
 

@@ -56,7 +56,7 @@ def _row(**fields):
     ("trainr.total_steps=3", "trainr: no such field; did you mean trainer?"),
     ("algoo=dapo", "algoo: no such field; did you mean algo?"),
     ("trainer.max_new_tokens=3", "trainer.max_new_tokens: no such field; did you mean rollout.max_new_tokens?"),
-    ("model.zzz=1", "model.zzz: no such field; model has: path, tokenizer_path"),
+    ("model.zzz=1", "model.zzz: no such field; model has: path, tokenizer_path, mtp"),
     ("trainer.prompts_per_step=abc", "trainer.prompts_per_step: expected an int, got 'abc'"),
     ("rollout.max_new_tokens=1.5", "rollout.max_new_tokens: expected an int, got 1.5"),
     ("rollout.top_k=abc", "rollout.top_k: expected an int or null, got 'abc'"),

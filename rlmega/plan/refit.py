@@ -1,0 +1,150 @@
+"""The weight sync (refit) of a plan: bytes each trainer rank sends and each engine GPU receives per
+sync, over which links, and the time the link bandwidths allow.
+
+The data path is the trainer's (``rlmega.sync.push_weights`` with ``engine_rank=0``): the bridge's export
+gathers each parameter on its owner (data-parallel replica 0, TP rank 0 of its group: the dense
+parameters once per stage, the experts once per expert-parallel rank) and sends its HF tensors to
+trainer rank 0, which holds the engine handles and streams every bucket to every engine through the
+sync transport; each engine's workers all load every tensor (vLLM's ``collective_rpc``). Bytes are the
+measured ones (``meta_build``: the bridge's own names and ownership, bf16, vocabulary padding trimmed).
+
+Times are bandwidth-only lower bounds: a leg takes its bytes over its slowest link; the export double-
+buffers, so the legs overlap (the total is the slowest leg) and cannot take longer than their sum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rlmega.plan.meta_build import StageCoordinates
+
+GB = 1e9
+
+
+@dataclasses.dataclass
+class Leg:
+    name: str
+    bytes: float
+    link: str
+    gb_per_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.bytes / (self.gb_per_s * GB) if self.bytes else 0.0
+
+
+@dataclasses.dataclass
+class Refit:
+    transport: str
+    """The transport the trainer uses (``sync.transport``, with ``auto`` resolved as the trainer does)."""
+    requested: str
+    bytes_per_sync: float
+    """HF bytes streamed from trainer rank 0 to each engine per sync (MTP layers included, if built)."""
+    totals: dict
+    senders: list[dict]
+    """Per trainer rank class: {"ranks", "count", "bytes", "link"} (the link to rank 0)."""
+    engine_gpu_receives: float
+    legs: list[Leg]
+
+    @property
+    def seconds_overlapped(self) -> float:
+        inbound = sum(leg.seconds for leg in self.legs if leg.name.startswith("owners"))  # one receiver: in turn
+        return max([inbound] + [leg.seconds for leg in self.legs if not leg.name.startswith("owners")])
+
+    @property
+    def seconds_serial(self) -> float:
+        return sum(leg.seconds for leg in self.legs)
+
+
+def _totals(layout, positions: list[dict]) -> dict:
+    totals = dict(dense_split=0, dense_replicated=0, expert=0, mtp=0, largest=0)
+    for position in positions:
+        counts = position["roles"]["actor"]["sync_bytes"]
+        stages = len(position["stages"])
+        totals["dense_split"] += stages * counts["dense_split"]
+        totals["dense_replicated"] += stages * counts["dense_replicated"]
+        totals["expert"] += stages * layout.ep * counts["expert"]
+        totals["mtp"] += stages * (counts["mtp_dense"] + layout.ep * counts["mtp_expert"])
+        totals["largest"] = max(totals["largest"], counts["largest"])
+    engine_bytes = totals["dense_split"] + totals["dense_replicated"] + totals["expert"]
+    totals.update(engine_bytes=engine_bytes, engine_params=engine_bytes / 2, mtp_params=totals["mtp"] / 2,
+                  bytes=engine_bytes + totals["mtp"])
+    return totals
+
+
+def _senders(layout, positions: list[dict], gpus_per_node: int) -> list[dict]:
+    """Owner classes of each position: rank 0 of the stage (dense and its experts), the other expert
+    owners, and where each sits relative to trainer rank 0."""
+    per_stage = layout.world_size // layout.pp
+    coordinates = [StageCoordinates.of(i, layout) for i in range(per_stage)]
+    dense_owner = [c.tp_rank == 0 and c.data_parallel_index == 0 for c in coordinates]
+    expert_owners = [i for i, c in enumerate(coordinates) if c.expert_tp_rank == 0 and c.expert_data_parallel_rank == 0]
+    rows = []
+    for position in positions:
+        counts = position["roles"]["actor"]["sync_bytes"]
+        dense = counts["dense_split"] + counts["dense_replicated"] + counts["mtp_dense"]
+        expert = counts["expert"] + counts["mtp_expert"]
+        by_link: dict = {}
+        for stage in position["stages"]:
+            owners = sorted({*(i for i, owns in enumerate(dense_owner) if owns), *(expert_owners if expert else ())})
+            for index in owners:
+                rank = stage * per_stage + index
+                sent = (dense if dense_owner[index] else 0) + (expert if index in expert_owners else 0)
+                link = "self" if rank == 0 else "nvlink" if rank // gpus_per_node == 0 else "ib"
+                kind = "dense + experts" if dense_owner[index] and expert else "dense" if dense_owner[index] else "experts"
+                entry = by_link.setdefault((kind, link), dict(stages=position["stages"], kind=kind, link=link,
+                                                                 count=0, bytes_each=sent, first_rank=rank))
+                entry["count"] += 1
+        rows.extend(by_link.values())
+    return rows
+
+
+def _engine_gpus(config, layout) -> list[list[int]]:
+    """Global GPU indices of each engine: colocated, packed onto the trainer's GPUs; disaggregated, after them."""
+    rollout = config.rollout
+    size = rollout.tensor_parallel_size * rollout.data_parallel_size
+    start = 0 if rollout.placement == "colocated" else layout.world_size
+    return [list(range(start + e * size, start + (e + 1) * size)) for e in range(rollout.num_engines)]
+
+
+def plan_refit(config, layout, positions: list[dict], preset) -> Refit:
+    totals = _totals(layout, positions)
+    gpn, nvlink = config.plan.gpus_per_node, preset.nvlink_gb_per_s
+    ib_per_gpu = config.plan.ib_gb_per_s / gpn
+    senders = _senders(layout, positions, gpn)
+    inbound = {"nvlink": 0.0, "ib": 0.0}
+    for row in senders:
+        if row["link"] != "self":
+            inbound[row["link"]] += row["count"] * row["bytes_each"]
+    engines = _engine_gpus(config, layout)
+    streamed = totals["bytes"]
+    transport = config.sync.transport
+    if transport == "auto":  # as rlmega.sync.make_transport picks for engine actors
+        transport = "shared_memory" if all(gpus[0] // gpn == 0 for gpus in engines) else "object_store"
+    # Each owner first gathers its parameters' other TP (expert: ETP) shards inside its group, on its node.
+    gather = max(counts["dense_split"] * (layout.tp - 1) / layout.tp + counts["expert"] * (layout.expert_tp - 1) / layout.expert_tp
+                 for counts in (p["roles"]["actor"]["sync_bytes"] for p in positions))
+    legs = [Leg("TP shards -> their owner (the fullest)", gather, "NVLink", nvlink),
+            Leg("owners -> rank 0 (same node)", inbound["nvlink"], "NVLink", nvlink),
+            Leg("owners -> rank 0 (other nodes)", inbound["ib"], "InfiniBand, rank 0's NIC", ib_per_gpu)]
+    if transport == "broadcast":
+        far = any(g // gpn != 0 for gpus in engines for g in gpus)
+        legs.append(Leg("rank 0 -> every engine GPU (one NCCL broadcast)", streamed,
+                        "InfiniBand" if far else "NVLink", ib_per_gpu if far else nvlink))
+    else:
+        if transport == "object_store":
+            legs.append(Leg(f"rank 0 -> {len(engines)} engine(s)", streamed * len(engines), "Ray object store",
+                            config.plan.object_store_gb_per_s))
+        else:
+            legs.append(Leg(f"rank 0 -> {len(engines)} engine(s) on its node", streamed * len(engines),
+                            "NVLink / CUDA IPC", nvlink))
+        spans = any(spans_nodes(gpus, gpn) for gpus in engines)
+        legs.append(Leg("engine driver -> its other GPUs (collective_rpc)", streamed,
+                        "InfiniBand" if spans else "NVLink", ib_per_gpu if spans else nvlink))
+    return Refit(transport=transport, requested=config.sync.transport, bytes_per_sync=streamed, totals=totals, senders=senders,
+                 engine_gpu_receives=streamed, legs=legs)
+
+
+def spans_nodes(gpus: list[int], gpus_per_node: int) -> bool:
+    """Whether an engine's GPUs span more than one node."""
+    return len({g // gpus_per_node for g in gpus}) > 1

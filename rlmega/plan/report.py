@@ -1,0 +1,96 @@
+"""A plan as a table a person reads (``render``); ``Plan.to_json`` is the machine-readable form."""
+
+from __future__ import annotations
+
+from rlmega.plan.planner import GIB, Plan
+
+LABEL = 34
+
+
+def _gib(value: float) -> str:
+    return f"{value / GIB:.2f}"
+
+
+def _row(label: str, cells: list[str]) -> str:
+    return f"  {label:<{LABEL}}" + "".join(f"{cell:>16}" for cell in cells)
+
+
+def _stages(stages: list[int]) -> str:
+    return f"stage {stages[0]}" if len(stages) == 1 else f"stages {stages[0]}-{stages[-1]}" \
+        if stages == list(range(stages[0], stages[-1] + 1)) else f"{len(stages)} stages"
+
+
+def render(plan: Plan) -> str:
+    positions = plan.positions
+    lines = [
+        f"rlmega plan {plan.config_name}",
+        f"model      {plan.architecture}: {plan.parameters / 1e9:.2f} B parameters"
+        + (f" + {plan.mtp_parameters / 1e9:.2f} B in MTP layers" if plan.mtp_parameters else "") + ", bf16",
+    ]
+    lines += [f"note       {note}" for note in plan.notes]
+    lines += [
+        f"layout     {plan.layout}, {plan.nodes} node(s) of {plan.gpu} ({plan.gpu_memory / GIB:.1f} GiB)",
+        f"batches    {plan.tokens_per_microbatch} tokens per micro-batch, {plan.microbatches} micro-batch(es) per "
+        f"mini-batch per rank, recompute {plan.recompute}",
+        "",
+        "GiB per GPU (each position's rank with the largest optimizer shard; parameters and gradients are",
+        "the same on every rank of a stage)",
+        _row("", [_stages(p.stages) for p in positions]),
+        _row("ranks", [",".join(f"{a}-{b}" if a != b else str(a) for a, b in p.ranks) for p in positions]),
+        _row("layers", [p.layers for p in positions]),
+    ]
+    for role in positions[0].roles:
+        memories = [p.roles[role] for p in positions]
+        lines.append(_row(f"{role} parameters (bf16)", [_gib(m.params + m.buffers) for m in memories]))
+        if any(m.grads for m in memories):
+            lines.append(_row(f"{role} gradients (fp32 buffer)", [_gib(m.grads) for m in memories]))
+            lines.append(_row(f"{role} optimizer on GPU", [_gib(m.optimizer_gpu) for m in memories]))
+            if any(m.optimizer_host for m in memories):
+                lines.append(_row(f"{role} optimizer in host memory", [_gib(m.optimizer_host) for m in memories]))
+            for variant in memories[0].optimizer_variants:
+                where = "host" if variant == "cpu_offload" else "GPU"
+                lines.append(_row(f"  as {variant} ({where})", [_gib(m.optimizer_variants[variant]) for m in memories]))
+    lines += [
+        _row("activations, no recompute", [_gib(p.activations["none"]) for p in positions]),
+        _row("activations, full recompute", [_gib(p.activations["full"]) for p in positions]),
+        _row("activations, as configured", [_gib(p.activations["configured"]) for p in positions]),
+        _row("activations, forward only", [_gib(p.activations["forward"]) for p in positions]),
+        _row("sync buckets", [_gib(p.export_buffer) for p in positions]),
+    ]
+    if plan.placement == "colocated":
+        lines.append(_row("colocated engine share", [_gib(p.engine) for p in positions]))
+    for phase in ("generate", "logprobs", "update", "sync"):
+        lines.append(_row(f"phase {phase}", [_gib(p.phases[phase]) for p in positions]))
+    lines.append(_row("peak (phase)", [f"{_gib(p.phases[p.peak_phase])} {p.peak_phase}" for p in positions]))
+    lines.append(_row(f"free of {plan.gpu_memory / GIB:.1f}", [_gib(plan.gpu_memory - p.phases[p.peak_phase]) for p in positions]))
+    lines.append(_row("host memory per GPU", [_gib(p.host) for p in positions]))
+    engine = plan.engine
+    lines += [
+        "",
+        f"engines    {engine.gpus} GPUs ({plan.placement}): weights {_gib(engine.weights)} GiB, workspace "
+        f"{_gib(engine.workspace)} GiB, KV cache {_gib(engine.kv_cache)} GiB per GPU = {engine.kv_tokens:,} tokens "
+        f"per replica ({engine.kv_bytes_per_token / 1024:.1f} KiB per token); a step needs {engine.tokens_needed:,} "
+        f"at full length" + ("" if engine.kv_tokens >= engine.tokens_needed else
+                              f": the engine runs about {engine.kv_tokens / max(engine.tokens_needed, 1):.0%} of them at once"),
+        f"host       {plan.host_per_node / GIB:.0f} GiB per node of {plan.host_memory / GIB:.0f}",
+    ]
+    refit = plan.refit
+    chosen = refit.transport + (" (auto)" if refit.requested == "auto" else "")
+    lines += ["", f"refit      {refit.bytes_per_sync / 1e9:.1f} GB per sync to every engine GPU, transport {chosen}"]
+    for row in refit.senders:
+        if row["bytes_each"]:
+            link = {"nvlink": "NVLink", "ib": "InfiniBand"}.get(row["link"])
+            where = "hold it (rank 0)" if row["link"] == "self" else f"send it over {link} to rank 0"
+            lines.append(f"  {_stages(row['stages'])}: {row['count']} rank(s) own {row['bytes_each'] / 1e9:.2f} GB "
+                         f"each ({row['kind']}) and {where}")
+    for leg in refit.legs:
+        lines.append(f"  {leg.name}: {leg.bytes / 1e9:.1f} GB over {leg.link} at {leg.gb_per_s:g} GB/s = {leg.seconds:.1f} s")
+    lines.append(f"  predicted {refit.seconds_overlapped:.1f} s (legs overlapped) to {refit.seconds_serial:.1f} s (in turn), "
+                 "bandwidth only")
+    lines.append("")
+    if plan.shortfalls:
+        lines += [f"DOES NOT FIT: {line}" for line in plan.shortfalls]
+    else:
+        worst = min(plan.gpu_memory - p.phases[p.peak_phase] for p in positions)
+        lines.append(f"fits: at least {worst / GIB:.1f} GiB free on every GPU in every phase")
+    return "\n".join(lines)
