@@ -145,12 +145,17 @@ def test_sigterm_checkpoints_requeues_and_finishes(scratch, driver, submit):
     assert preempted_at < total_steps
     assert latest_checkpoint(run_dir) == preempted_at
     assert "requeueing job" in log
-    # SLURM holds a requeued job for a while (BeginTime); let it start now.
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], timeout=30)
+    # SLURM holds a requeued job for a while (BeginTime); let it start soon instead. Not at once:
+    # slurmd revokes the old run's credential with one-second resolution, and a new run allocated
+    # within that second is killed ("Job credential revoked"). So wait until the old run has left
+    # the node (PENDING), then start a few seconds later.
+    wait_state(job_id, lambda s: s.get("JobState") == "PENDING" or finished(s), 120, "pending requeue")
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+3"], timeout=30)
 
     state = wait_state(job_id, finished, 300, "completion after the requeue")
     log = job_log(scratch, job_id)
-    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", log[-5000:]
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", (
+        f"{state.get('JobState')} {state.get('Reason')} restarts {state.get('Restarts')}\n" + log[-5000:])
     assert_finished(run_dir, total_steps)
     steps = [row["step"] for row in read_metrics(run_dir)]
     assert steps[-1] == total_steps and preempted_at + 1 in steps, steps
