@@ -77,7 +77,8 @@ def _save_rank(rank: int, world_size: int, layout, hf_dir: str, directory: str, 
 
 def _hf_bytes(hf_dir: Path, dtype: torch.dtype, spec, tp: int) -> int:
     """What the checkpoint will hold: every HF tensor in ``dtype``, plus the vocabulary padding."""
-    from rlmega.bridge import HFCheckpoint
+    from rlmega.bridge import CheckpointError, HFCheckpoint
+    from rlmega.bridge.load import check_tied_head
     from rlmega.models import padded_vocab_size
 
     try:
@@ -93,6 +94,11 @@ def _hf_bytes(hf_dir: Path, dtype: torch.dtype, spec, tp: int) -> int:
         numel = sum(math.prod(checkpoint.shape(key)) for key in checkpoint.keys())
     except Exception as error:  # safetensors reports a damaged header as a plain error
         raise ConversionError(f"{hf_dir} has a damaged safetensors file ({error}); copy it again") from None
+    if spec.tie_word_embeddings:
+        try:
+            check_tied_head(checkpoint)
+        except CheckpointError as error:
+            raise ConversionError(str(error)) from None
     hidden = spec.config["hidden_size"]
     padding = (padded_vocab_size(spec.vocab_size, tp) - spec.vocab_size) * hidden * (1 if spec.tie_word_embeddings else 2)
     return (numel + padding) * dtype.itemsize

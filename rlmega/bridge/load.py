@@ -52,6 +52,8 @@ def check_checkpoint(checkpoint: HFCheckpoint, needed: dict[str, tuple], tied: b
     for name in sorted(needed):
         if name not in present:
             raise CheckpointError(f"checkpoint {checkpoint.directory} is missing {name!r}, which the model config needs")
+    if tied:
+        check_tied_head(checkpoint)
     unexpected = sorted(present - set(needed) - ({_LM_HEAD} if tied else set()))
     if unexpected:
         raise CheckpointError(
@@ -64,6 +66,21 @@ def check_checkpoint(checkpoint: HFCheckpoint, needed: dict[str, tuple], tied: b
                 f"{name!r} has shape {list(checkpoint.shape(name))} in {checkpoint.directory}, "
                 f"but the model config implies {list(needed[name])}"
             )
+
+
+def check_tied_head(checkpoint: HFCheckpoint) -> None:
+    """A config that ties the LM head to the embedding may still come with a stored copy of the
+    head; one that differs from the embedding would be dropped without a word, so refuse it."""
+    if _LM_HEAD not in checkpoint.keys() or _TIED_EMBEDDING not in checkpoint.keys():
+        return
+    if checkpoint.shape(_LM_HEAD) == checkpoint.shape(_TIED_EMBEDDING) and torch.equal(
+            checkpoint.read(_LM_HEAD), checkpoint.read(_TIED_EMBEDDING)):
+        return
+    raise CheckpointError(
+        f"checkpoint {checkpoint.directory} holds its own {_LM_HEAD!r}, different from {_TIED_EMBEDDING!r}, but its "
+        "config.json sets tie_word_embeddings: true, so the head would be dropped; set \"tie_word_embeddings\": false "
+        f"in config.json to keep the head, or delete {_LM_HEAD!r} from the checkpoint to use the embedding as the head"
+    )
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import rlmega
 from rlmega.cli import convert, doctor, plan, sft, smoke, train
-from rlmega.errors import UserError
+from rlmega.errors import RunFailure, UserError
 
 AddArguments = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]
@@ -69,6 +69,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         # Bad input is the user's to fix, not a bug: one line, no traceback, exit code 2 (as for usage errors).
         print(f"rlmega {args.command}: {' '.join(str(error).splitlines())}", file=sys.stderr)
         return 2
+    except RunFailure as error:
+        # A worker died or failed: one line naming it; the traceback is in the run's logs.
+        details = f" (details: {error.details})" if error.details else ""
+        print(f"rlmega {args.command}: {' '.join(str(error).splitlines())}{details}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

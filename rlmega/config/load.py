@@ -189,12 +189,33 @@ def validate(config: RLConfig) -> None:
         spec.check_layout(config.layout.build())
     except LayoutError as error:
         raise ConfigError(f"layout: {error}") from error
+    _check_router_replay(config, spec)
     if config.reward.user_function is not None:
         check_function_defined(config.reward.user_function)
     _check_reward_weights(config)
     _check_reward_model(config)
     _check_judge(config)
     _check_data(config)
+
+
+def _check_router_replay(config: RLConfig, spec) -> None:
+    replay = config.actor.router_replay
+    for role in ("ref", "critic"):
+        _require(getattr(config, role).router_replay == "none", f"{role}.router_replay",
+                 "only the actor replays routing; the other roles route by themselves")
+    if replay == "none":
+        return
+    _require(bool(spec.num_experts), "actor.router_replay", f"{replay} replays MoE routing; {config.model.path} has no experts")
+    _require(replay != "r3" or config.rollout.backend == "hf", "actor.router_replay",
+             f"r3 replays the rollout engine's routing, which the {config.rollout.backend} adapter does not report "
+             "yet (the hf engine does); use r2 (the old-log-prob pass's routing)")
+    _require(replay != "r3" or not config.agent.enabled, "actor.router_replay",
+             "r3 with agent rollouts is not supported yet (tool output is tokenised, not routed, by the engine); use r2")
+    _require(replay != "r3" or config.rollout.mode == "sync", "actor.router_replay",
+             "r3 with an asynchronous rollout mode is not supported yet: a response continued with new weights "
+             "has routing from two versions; use r2 or rollout.mode=sync")
+    _require(not config.algorithm.rollout_correction.bypass_mode, "actor.router_replay",
+             "r2 records routing in the old-log-prob pass, which bypass_mode skips")
 
 
 # Sizes that must be whole numbers, with their least value.
@@ -337,7 +358,7 @@ def _check_data(config: RLConfig) -> None:
     other checks, before anything starts (DataFormatError naming the file and row)."""
     from transformers import AutoTokenizer
 
-    from rlmega.data import DataFormatError, PromptDataset
+    from rlmega.data import DataFormatError, load_prompts
     from rlmega.rewards import RULE_SCORERS
 
     field = "model.tokenizer_path" if config.model.tokenizer_path else "model.path"
@@ -346,10 +367,10 @@ def _check_data(config: RLConfig) -> None:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as error:
         raise ConfigError(f"{field}: no tokenizer loads from {source} ({str(error).splitlines()[0]})") from None
-    dataset = PromptDataset(config.data, tokenizer, config_key="data")
+    dataset = load_prompts(config.data, tokenizer, config_key="data")  # the run reuses these (load_prompts)
     datasets = [dataset]
     if config.trainer.val_every:
-        datasets.append(PromptDataset(config.val_data, tokenizer, config_key="val_data"))
+        datasets.append(load_prompts(config.val_data, tokenizer, config_key="val_data"))
     prompts_per_step = config.trainer.prompts_per_step
     filtered = f" ({dataset.num_filtered} more were longer than data.max_prompt_length)" if dataset.num_filtered else ""
     _require(prompts_per_step <= len(dataset), "trainer.prompts_per_step",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from rlmega.agent.config import AgentConfig
 from rlmega.algos.rollout_correction import RolloutCorrectionConfig
 from rlmega.data import DataConfig
 from rlmega.parallel.layout import LayoutConfig
@@ -336,6 +337,8 @@ class RLConfig:
     ref: WorkerConfig = dataclasses.field(default_factory=lambda: WorkerConfig(role="ref", offload=True))
     critic: WorkerConfig = dataclasses.field(default_factory=lambda: WorkerConfig(role="critic"))
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
+    """Multi-turn rollouts with tool calls and environments (rlmega/agent/README.md); off by default."""
     sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)

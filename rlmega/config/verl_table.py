@@ -493,7 +493,7 @@ NO_LORA = "rlmega trains every weight; LoRA adapters are not in rlmega"
 CONFIG_AS_IS = "rlmega builds the model from its config.json as it is"
 SHUFFLE = "rlmega keeps each step's responses in order when it splits them into mini-batches"
 PROFILING = "per-role profiling is not in rlmega; run the job under nsys or torch.profiler"
-ROUTER_REPLAY = "MoE router replay is not in rlmega"
+ROUTER_REPLAY = "the reference model routes by itself in rlmega"
 LOAD_WEIGHT = "rlmega always starts from the weights in model.path"
 
 
@@ -504,10 +504,25 @@ def _profiler(prefix: str, enable_default: Any = False) -> dict[str, Setting]:
     }
 
 
-def _router_replay(prefix: str) -> dict[str, Setting]:
+def _router_replay_mode(value: Any, verl: "VerlConfig") -> str:
+    mode = str(value).lower()
+    if mode == "disabled":
+        return "none"
+    if mode in ("r2", "r3"):
+        return mode
+    raise ValueError(f"router_replay.mode={value}: choose disabled, R2 or R3")
+
+
+def _router_replay(prefix: str, role: str) -> dict[str, Setting]:
+    if role == "ref":  # the reference scores with its own routing
+        return {
+            f"{prefix}.router_replay.mode": refused(ROUTER_REPLAY, "disabled"),
+            f"{prefix}.router_replay.*": needless("only read with router_replay.mode, which is refused"),
+        }
     return {
-        f"{prefix}.router_replay.mode": refused(ROUTER_REPLAY, "disabled"),
-        f"{prefix}.router_replay.*": needless("only read with router_replay.mode, which is refused"),
+        f"{prefix}.router_replay.mode": mapped(f"{role}.router_replay", default="disabled", rule=_router_replay_mode,
+                                               note="disabled -> none, R2 -> r2, R3 -> r3 (the hf engine records routing)"),
+        f"{prefix}.router_replay.*": needless("recording and replay are rlmega's own (rlmega/workers/routing.py)"),
     }
 
 
@@ -750,7 +765,8 @@ VERL_SETTINGS: dict[str, Setting] = {
                                    rule=_generation_rounds,
                                    note="DAPO: rlmega generates rounds of trainer.prompts_per_step prompts, so the "
                                         "round limit keeps verl's prompt budget"),
-    "data.tool_config_path": refused("tool calling (multi-turn rollouts) is not in rlmega",
+    "data.tool_config_path": refused("verl's tool config files do not translate: list the tools in rlmega's "
+                                     "agent.tools (rlmega/agent/README.md)",
                                      f"${{oc.select:{RO}.multi_turn.tool_config_path, null}}"),
     "data.return_raw_input_ids": needless("only for a reward model with its own tokenizer, which rlmega does not run",
                                           False),
@@ -873,7 +889,7 @@ VERL_SETTINGS: dict[str, Setting] = {
     f"{A}.checkpoint.load_contents": refused("rlmega loads everything it saved", "${.save_contents}"),
     f"{A}.checkpoint.async_save": needless("changes when a save returns, not what it holds", False),
     f"{A}.use_fused_kernels": needless(KERNELS, f"${{oc.select:{MODEL}.use_fused_kernels,false}}"),
-    **_router_replay(A),
+    **_router_replay(A, "actor"),
     f"{A}.load_weight": refused(LOAD_WEIGHT, True),
     f"{A}.grad_clip": trained("actor.optimizer.clip_grad", default=1.0, note="FSDP spelling of optim.clip_grad"),
     f"{A}.ulysses_sequence_parallel_size": mapped("layout.cp", default=1,
@@ -904,7 +920,7 @@ VERL_SETTINGS: dict[str, Setting] = {
         "ref.batching.max_tokens_per_microbatch", default=f"${{oc.select:{A}.ppo_max_token_len_per_gpu,16384}}",
         rule=_token_budget(f"{REF}.log_prob_use_dynamic_bsz", f"{REF}.log_prob_max_token_len_per_gpu"),
         note="read with log_prob_use_dynamic_bsz, as in verl"),
-    **_router_replay(REF),
+    **_router_replay(REF, "ref"),
     **_megatron(REF, "ref"),
     **_fsdp(f"{REF}.fsdp_config", "ref"),
     f"{REF}.ulysses_sequence_parallel_size": mapped(
@@ -974,7 +990,8 @@ VERL_SETTINGS: dict[str, Setting] = {
                                            "top_p is refused"),
     f"{RO}.val_kwargs.n": refused("rlmega generates one response per validation prompt", 1,
                                   accept=lambda value, verl: value == 1),
-    f"{RO}.multi_turn.enable": refused("multi-turn rollouts (tools, interactions) are not in rlmega", False),
+    f"{RO}.multi_turn.enable": refused("multi-turn rollouts: verl's tool and interaction configs do not translate; "
+                                       "set rlmega's agent section (rlmega/agent/README.md)", False),
     f"{RO}.multi_turn.*": needless("only read with multi_turn.enable, which is refused"),
     f"{RO}.calculate_log_probs": needless("rlmega always keeps the engine's log-probs (rollout correction uses them)",
                                           False),
@@ -991,7 +1008,8 @@ VERL_SETTINGS: dict[str, Setting] = {
     f"{RO}.skip_rollout": refused("rlmega always generates; it does not replay dumped rollouts", False),
     f"{RO}.skip_dump_dir": needless("only read with skip_rollout, which is refused", "/tmp/rollout_dump"),
     f"{RO}.skip_tokenizer_init": needless(ENGINE, True),
-    f"{RO}.enable_rollout_routing_replay": refused(ROUTER_REPLAY, False),
+    f"{RO}.enable_rollout_routing_replay": needless("the engines record routing when actor.router_replay is r3",
+                                                    False),
     f"{RO}.prometheus.enable": refused("rlmega does not export engine metrics to Prometheus", False),
     f"{RO}.prometheus.*": needless("only read with prometheus.enable, which is refused"),
     f"{RO}.quantization": refused("quantised rollout is not in rlmega; its engines run the trained weights"),

@@ -1,6 +1,6 @@
 """Prompt data for RL: verl-schema parquet/jsonl files, chat templates, length limits, a resumable sampler."""
 
-from rlmega.data.dataset import TRUNCATION_MODES, DataConfig, PromptDataset, prompt_text
+from rlmega.data.dataset import TRUNCATION_MODES, DataConfig, PromptDataset, load_prompts, prompt_text
 from rlmega.data.files import read_rows, write_rows
 from rlmega.data.sampler import StatefulSampler
 from rlmega.data.schema import DataFormatError, PromptRecord, parse_row
@@ -13,6 +13,7 @@ __all__ = [
     "DataConfig",
     "DataFormatError",
     "PromptDataset",
+    "load_prompts",
     "PromptRecord",
     "StatefulSampler",
     "build_char_tokenizer",

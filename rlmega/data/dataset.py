@@ -152,3 +152,25 @@ class PromptDataset:
     def data_sources(self) -> set[str]:
         """Every ``data_source`` in the dataset (to check the reward scorers up front)."""
         return {record.data_source for record in self.records}
+
+
+_LOADED: dict[tuple, PromptDataset] = {}
+
+
+def load_prompts(config: DataConfig, tokenizer: Any, *, config_key: str = "data") -> PromptDataset:
+    """``PromptDataset(config, tokenizer)``, read and tokenized once per process: the start-up checks and
+    the run then share one copy. Reused only for the same settings, tokenizer and files unchanged on
+    disk (size and modification time)."""
+    try:
+        files = tuple((path, os.stat(path).st_size, os.stat(path).st_mtime_ns) for path in config.files)
+    except OSError:  # let PromptDataset name the missing file
+        return PromptDataset(config, tokenizer, config_key=config_key)
+    key = (repr(config), config_key, getattr(tokenizer, "name_or_path", None), len(tokenizer),
+           getattr(tokenizer, "chat_template", None), files)
+    if key[2] is None:
+        return PromptDataset(config, tokenizer, config_key=config_key)
+    if key not in _LOADED:
+        if len(_LOADED) >= 8:
+            _LOADED.clear()
+        _LOADED[key] = PromptDataset(config, tokenizer, config_key=config_key)
+    return _LOADED[key]

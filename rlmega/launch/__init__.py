@@ -4,6 +4,7 @@
   also the per-node command the SLURM scripts run with ``srun``.
 - :mod:`rlmega.launch.torchrun`     a bootstrap run by ``torchrun`` on every node.
 - :mod:`rlmega.launch.ray_job`      ``ray job submit`` to a running cluster with a working runtime env.
+- :mod:`rlmega.launch.guardian`     stops a driver's private Ray session when the driver dies, even by SIGKILL.
 
 Users' entry points (sbatch scripts, shell helpers) and the documentation live in ``launch/``.
 """

@@ -95,12 +95,7 @@ class ModelSpec:
         self.check_layout(layout)
         fields = dict(
             self.config,
-            tensor_model_parallel_size=layout.tp,
-            pipeline_model_parallel_size=layout.pp,
-            virtual_pipeline_model_parallel_size=layout.vpp if layout.virtual_stages > 1 else None,
-            context_parallel_size=layout.cp,
-            expert_model_parallel_size=layout.ep,
-            expert_tensor_parallel_size=layout.expert_tp,
+            **layout.megatron_sizes(),
             num_layers_in_first_pipeline_stage=layout.first_stage_layers,
             num_layers_in_last_pipeline_stage=layout.last_stage_layers,
             use_cpu_initialization=not torch.cuda.is_available(),

@@ -93,6 +93,18 @@ class ParallelLayout:
     def virtual_stages(self) -> int:
         return self.vpp or 1
 
+    def megatron_sizes(self) -> dict[str, Optional[int]]:
+        """The parallel sizes as Megatron-Core names them (``initialize_model_parallel`` and
+        ``TransformerConfig`` take the same keywords)."""
+        return dict(
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            virtual_pipeline_model_parallel_size=self.vpp if self.virtual_stages > 1 else None,
+            context_parallel_size=self.cp,
+            expert_model_parallel_size=self.ep,
+            expert_tensor_parallel_size=self.expert_tp,
+        )
+
     @property
     def uneven_stages(self) -> bool:
         return self.first_stage_layers is not None or self.last_stage_layers is not None
@@ -243,13 +255,7 @@ def initialize(layout: ParallelLayout, *, timeout_s: float = 300.0, seed: int = 
         )
     cpu_platform.enable()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp if layout.virtual_stages > 1 else None,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.expert_tp,
-        distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
+        **layout.megatron_sizes(), distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
     )
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 

@@ -125,15 +125,7 @@ def _initialize(rank: int, layout) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp if layout.virtual_stages > 1 else None,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.expert_tp,
-        create_gloo_process_groups=False,
-    )
+    parallel_state.initialize_model_parallel(**layout.megatron_sizes(), create_gloo_process_groups=False)
 
 
 def _destroy() -> None:

@@ -2,9 +2,11 @@
 
 Threads cannot be stopped, so each worker is a separate Python process (``rlmega.rewards._worker``) in its own
 process group; a timed-out call's whole group (including anything the function started) is killed with SIGKILL
-and a fresh worker replaces it. Workers are started with ``subprocess`` rather than ``multiprocessing`` so they
-do not re-import the trainer's main module (and with it torch and Megatron). The timeout of a call runs from the
-moment it is handed to a worker; worker start-up is not counted.
+and a fresh worker replaces it; a worker that dies is replaced the same way (its call scores 0 as an error). A
+worker whose pool's process dies, even by SIGKILL, kills its own process group (``_worker.die_with_parent``).
+Workers are started with ``subprocess`` rather than ``multiprocessing`` so they do not re-import the trainer's main
+module (and with it torch and Megatron). The timeout of a call runs from the moment it is handed to a worker;
+worker start-up is not counted.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, Sequence
 
 import rlmega
 
@@ -36,17 +38,18 @@ class Outcome:
     score: float = 0.0
     extras: dict[str, float] = field(default_factory=dict)
     message: str = ""
+    value: Any = None
+    """What a worker that returns values rather than scores gave (a tool's output); None for scores."""
 
 
 class _Worker:
-    def __init__(self, user_function: str | None):
+    def __init__(self, module: str, arguments: Sequence[str]):
         task_read, task_write = os.pipe()
         result_read, result_write = os.pipe()
-        command = [sys.executable, "-m", "rlmega.rewards._worker", str(task_read), str(result_write)]
-        if user_function:
-            command.append(user_function)
+        command = [sys.executable, "-m", module, str(task_read), str(result_write), *arguments]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
+        env["RLMEGA_POOL_PARENT"] = str(os.getpid())  # read by rlmega.rewards._worker.die_with_parent
         try:
             self.process = subprocess.Popen(command, pass_fds=(task_read, result_write), start_new_session=True,
                                             stdin=subprocess.DEVNULL, env=env)
@@ -94,9 +97,15 @@ class ScoringPool:
     With ``user_function`` (``path/to/file.py:fn``) every task goes to that function; without, to the rule scorer
     of its data source. Use as a context manager or call ``close()``; workers are also ended when the pool is
     garbage-collected or the interpreter exits.
+
+    ``worker_module`` runs another worker program over the same pipes (``rlmega.agent._tool_worker``: tool calls,
+    answered ``(task_id, "value", value)``), started with ``worker_arguments`` after the two pipe descriptors;
+    ``label`` names what it loads in start-up errors.
     """
 
-    def __init__(self, user_function: str | None, num_workers: int, timeout_s: float, start_timeout_s: float = 120.0):
+    def __init__(self, user_function: str | None, num_workers: int, timeout_s: float, start_timeout_s: float = 120.0,
+                 *, worker_module: str = "rlmega.rewards._worker", worker_arguments: Sequence[str] = (),
+                 label: str = "reward function"):
         if num_workers < 1:
             raise ValueError(f"ScoringPool: num_workers must be >= 1, got {num_workers}")
         if timeout_s <= 0:
@@ -105,6 +114,9 @@ class ScoringPool:
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
+        self.worker_module = worker_module
+        self.worker_arguments = [user_function] if user_function else list(worker_arguments)
+        self.label = label
         self._workers: list[_Worker] = []
         self._closed = False
         self._finalizer = weakref.finalize(self, _stop_all, self._workers)
@@ -113,18 +125,21 @@ class ScoringPool:
         """Start missing workers and wait until each has loaded the user function; ValueError if one cannot."""
         if self._closed:
             raise RuntimeError("ScoringPool is closed")
-        starting = [_Worker(self.user_function) for _ in range(self.num_workers - len(self._workers))]
+        starting = [_Worker(self.worker_module, self.worker_arguments)
+                    for _ in range(self.num_workers - len(self._workers))]
         deadline = time.monotonic() + self.start_timeout_s
         try:
             for worker in starting:
                 if not worker.results.poll(max(0.0, deadline - time.monotonic())):
-                    raise RuntimeError(f"a reward worker did not start within {self.start_timeout_s:.0f} s")
+                    raise RuntimeError(f"a {self.label} worker did not start within {self.start_timeout_s:.0f} s")
                 try:
                     message = worker.results.recv()
                 except EOFError:
-                    raise RuntimeError(f"a reward worker exited while starting (exit code {worker.process.wait()})")
+                    raise RuntimeError(f"a {self.label} worker exited while starting "
+                                       f"(exit code {worker.process.wait()})")
                 if message[0] != "ready":
-                    raise ValueError(f"reward function {self.user_function!r} failed to load:\n{message[1]}")
+                    shown = self.user_function or " ".join(self.worker_arguments)
+                    raise ValueError(f"{self.label} {shown!r} failed to load:\n{message[1]}")
         except BaseException:
             for worker in starting:
                 worker.kill()
@@ -175,10 +190,12 @@ class ScoringPool:
         except (EOFError, OSError):
             code = worker.process.poll()
             self._remove(worker)
-            return Outcome("error", message=f"the reward worker died (exit code {code})")
+            return Outcome("error", message=f"the {self.label} worker died (exit code {code})")
         worker.task_index = None
         if message[1] == "ok":
             return Outcome("ok", score=message[2], extras=message[3])
+        if message[1] == "value":
+            return Outcome("ok", value=message[2])
         return Outcome("error", message=message[2])
 
     def _remove(self, worker: _Worker) -> None:

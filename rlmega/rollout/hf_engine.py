@@ -7,6 +7,7 @@ settings and generator; the returned log-probs are those of the temperature-scal
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
 import os
@@ -17,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from rlmega.rollout.engine_common import WeightBook, check_requests, paused_generations, serialised
+from rlmega.rollout.hf_routing import RoutingRecorder, routing_or_none
 from rlmega.rollout.hf_weights import HFWeightMap, WeightTarget
 from rlmega.rollout.protocol import Generation, SamplingParams
 from rlmega.rollout.sampling import RowSampling, request_generator, select_next_tokens
@@ -47,7 +49,7 @@ class HFEngine:
 
     def __init__(self, model: str | os.PathLike | PreTrainedModel, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", attn_implementation: str | None = None,
-                 weight_noise_std: float = 0.0):
+                 weight_noise_std: float = 0.0, record_routing: bool = False):
         if isinstance(model, (str, os.PathLike)):
             extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
             model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, **extra)
@@ -70,6 +72,8 @@ class HFEngine:
         self._paused = threading.Event()  # checked between decoding steps
         # Gaussian noise of this std is added to every weight loaded: an engine that deliberately serves
         # slightly different weights than the trainer's, to study the train-inference mismatch on CPU.
+        # MoE routing replay (R3): every generation carries the experts its tokens went to.
+        self._routing = RoutingRecorder(self.model) if record_routing else None
         self._noise_std = weight_noise_std
         self._noise = torch.Generator(device=self.device).manual_seed(0)
         if weight_noise_std:
@@ -108,9 +112,21 @@ class HFEngine:
         logprobs: list[list[float]] = [[] for _ in requests]
         finish: list[str | None] = [None] * len(requests)
         stop_sets = [set(p.stop_token_ids) for p in row_params]
+        with self._routing if self._routing is not None else contextlib.nullcontext():
+            self._decode(input_ids, attention_mask, position_ids, cache, rows, row_params, stop_sets, responses,
+                         logprobs, finish)
+        routing = routing_or_none(self._routing, len(requests), [len(prompts[i]) for i, _ in requests],
+                                  [len(response) for response in responses])
+        return [Generation(prompt_index=i, response_token_ids=responses[row], logprobs=logprobs[row],
+                           finish_reason=finish[row], weight_version=self._book.version, routing=routing[row])
+                for row, (i, _) in enumerate(requests)]
+
+    def _decode(self, input_ids, attention_mask, position_ids, cache, rows, row_params, stop_sets, responses,
+                logprobs, finish) -> None:
+        """One token per row per step until every row stopped, reached its length, or a pause came."""
         for _ in range(max(p.max_new_tokens for p in row_params)):
             if self._paused.is_set():
-                finish = [reason or "abort" for reason in finish]
+                finish[:] = [reason or "abort" for reason in finish]
                 break
             logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                 use_cache=True, logits_to_keep=1, **{self._cache_arg: cache}).logits[:, -1]
@@ -127,11 +143,8 @@ class HFEngine:
             if all(reason is not None for reason in finish):
                 break
             input_ids = tokens[:, None]
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(requests), 1))], dim=-1)
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(responses), 1))], dim=-1)
             position_ids = position_ids[:, -1:] + 1
-        return [Generation(prompt_index=i, response_token_ids=responses[row], logprobs=logprobs[row],
-                           finish_reason=finish[row], weight_version=self._book.version)
-                for row, (i, _) in enumerate(requests)]
 
     # ------------------------------------------------------------------ weights
 

@@ -10,7 +10,7 @@ import math
 import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -97,6 +97,9 @@ class Generation:
     logprobs: list[float]  # one per response token
     finish_reason: FinishReason  # "stop" (stop token kept), "length" (max_new_tokens) or "abort" (paused)
     weight_version: int  # the engine's weight version when this response was generated
+    routing: Optional[torch.Tensor] = None
+    """MoE engines asked to record routing: ``[P + R, M, k]`` int16, the experts every prompt and
+    response token went to in each of the M MoE layers (``rlmega.workers.routing``, R3)."""
 
 
 @runtime_checkable

@@ -17,6 +17,8 @@ def prepare_tiny_assets(directory: str | os.PathLike, *, max_operand: int = 9, n
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from transformers.utils import logging as hf_logging
+
     from rlmega.data import build_char_tokenizer, write_arithmetic_dataset
 
     directory = Path(directory)
@@ -29,7 +31,13 @@ def prepare_tiny_assets(directory: str | os.PathLike, *, max_operand: int = 9, n
                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **TINY_MODEL)
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config).float()
-        model.save_pretrained(staging)
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # a bar for one tiny shard is noise
+        try:
+            model.save_pretrained(staging)
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
         tokenizer.save_pretrained(staging)
         os.replace(staging, paths["model"])
     for split, rows, split_seed in (("train", num_train, seed + 1), ("val", num_val, seed + 2)):

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from rlmega.config.schema import RLConfig
+from rlmega.errors import RunFailure
 from rlmega.trainer.controller import Trainer, export_hf, supervised_warm_start
 from rlmega.trainer.prompts import PromptSource
 from rlmega.trainer.roles import role_groups
@@ -55,10 +56,44 @@ def run(config: RLConfig) -> int:
     try:
         trainer = build_trainer(config)
         return trainer.fit()
-    except BaseException:
+    except BaseException as error:
+        logs = run_dir / "logs"
+        if isinstance(error, RunFailure):
+            error.details = _write_traceback(error, logs / "error.log")
         if trainer is None or trainer.steps_done == 0:
+            kept = _keep_new_logs(logs, before)
             _remove_what_was_written(run_dir, before)
+            if kept and isinstance(error, RunFailure):
+                error.relocate(str(logs), kept)
+            elif kept:
+                error.add_note(f"the workers' output is in {kept}")
         raise
+
+
+def _write_traceback(error: BaseException, path: Path) -> str | None:
+    import traceback
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as handle:
+            handle.write("".join(traceback.format_exception(error)))
+    except OSError:
+        return None
+    return str(path)
+
+
+def _keep_new_logs(logs: Path, before) -> str | None:
+    """A start that failed leaves the run directory as it was, but its new logs (the workers' output, the
+    traceback) are what the user needs: move them to a temporary directory and return it."""
+    import shutil
+    import tempfile
+
+    if not logs.is_dir() or (before is not None and logs in before):
+        return None
+    kept = tempfile.mkdtemp(prefix=f"rlmega-{logs.parent.name}-logs-")
+    for entry in logs.iterdir():
+        shutil.move(str(entry), kept)
+    return kept
 
 
 def _remove_what_was_written(run_dir: Path, before) -> None:

@@ -9,26 +9,36 @@ placement groups of their own (``start_reward_workers``): they score while the p
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+from pathlib import Path
 
 from rlmega.config.schema import RLConfig
+from rlmega.trainer.ray_console import quiet_worker_deaths
 
 
 def connect(config: RLConfig) -> None:
-    """Join the configured Ray cluster, or start a private local one sized for this job."""
+    """Join the configured Ray cluster, or start a private local one sized for this job. A private one
+    is watched by a guardian (``rlmega.launch.guardian``) that stops its processes if this driver dies;
+    a joined cluster is left to Ray, which kills the actors a dead driver owned."""
     import ray
+
+    from rlmega.launch.guardian import start_guardian
 
     if ray.is_initialized():
         return
     address = config.cluster.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=True, logging_level=logging.ERROR)
+        quiet_worker_deaths(Path(config.run_dir) / "logs" / "ray-errors.log")
         return
     groups = (*_bundles(config), *_reward_bundles(config))
     needed = sum(bundle.get("CPU", 0) for bundles in groups for bundle in bundles)
+    start_guardian()  # before the session's processes start, so that they inherit its run token
     ray.init(address="local", num_cpus=max(math.ceil(needed), os.cpu_count() or 1), include_dashboard=False,
-             _node_ip_address="127.0.0.1", log_to_driver=True)
+             _node_ip_address="127.0.0.1", log_to_driver=True, logging_level=logging.ERROR)
+    quiet_worker_deaths(Path(config.run_dir) / "logs" / "ray-errors.log")  # rlmega names dead workers itself
 
 
 def _wait_ready(group, what: str, timeout_s: float) -> None:
@@ -72,7 +82,8 @@ def start_workers(config: RLConfig, *, with_rollout: bool = True):
         return training, None, {"placement": config.rollout.placement, "training_ranks": training.nodes, "engines": []}
     try:
         rollout = RolloutGroup(config, lambda index: PlacementGroupSchedulingStrategy(
-            engine_pg, placement_group_bundle_index=engine_bundle(index)))
+            engine_pg, placement_group_bundle_index=engine_bundle(index)),
+            record_routing=config.actor.router_replay == "r3")
     except BaseException:
         training.shutdown()
         raise
@@ -115,8 +126,7 @@ def start_reward_workers(config: RLConfig):
             judge_view = dataclasses.replace(config, model=ModelConfig(path=config.judge.path),
                                              rollout=config.judge.engine_config())
             judge = RolloutGroup(judge_view, lambda index: PlacementGroupSchedulingStrategy(
-                judge_pg, placement_group_bundle_index=index))
-            judge.names = [f"judge engine {index}" for index in range(judge.num_engines)]
+                judge_pg, placement_group_bundle_index=index), name="judge engine")
             placement["judge_engines"] = judge.nodes
     except BaseException:
         for part in (reward_model, judge):

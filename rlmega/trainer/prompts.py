@@ -82,13 +82,13 @@ class PromptSource:
         source from here on: its reward manager scores with them and ``close`` shuts them down."""
         from transformers import AutoTokenizer
 
-        from rlmega.data import PromptDataset, StatefulSampler
+        from rlmega.data import StatefulSampler, load_prompts
         from rlmega.trainer.reward_manager import build_reward_manager
 
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
-        self.dataset = PromptDataset(config.data, self.tokenizer)
-        self.val_dataset = (PromptDataset(config.val_data, self.tokenizer, config_key="val_data")
+        self.dataset = load_prompts(config.data, self.tokenizer)  # as validate read them: once per process
+        self.val_dataset = (load_prompts(config.val_data, self.tokenizer, config_key="val_data")
                             if config.trainer.val_every else None)
         self.sampler = StatefulSampler(len(self.dataset), config.trainer.prompts_per_step, seed=config.trainer.seed)
         self.rewards = build_reward_manager(config, self.tokenizer, reward_model=reward_model, judge=judge)
@@ -97,12 +97,32 @@ class PromptSource:
         if self.val_dataset is not None:
             self.rewards.check_data_sources(self.val_dataset.data_sources, validation=True)
         self.stop_token_ids = (self.tokenizer.eos_token_id,)
+        self.agent = self._agent_loop() if config.agent.enabled else None
+        """With ``agent.enabled``, the multi-turn loop (``rlmega.agent``) that produces every response."""
         self.needs_greedy_baseline = config.algorithm.adv_estimator == "remax"
         epochs = config.trainer.total_epochs
         self.total_steps = epochs * self.sampler.steps_per_epoch if epochs else config.trainer.total_steps
         """The run's RL steps: ``trainer.total_epochs`` passes over the prompts, or ``trainer.total_steps``."""
 
+    def _agent_loop(self):
+        from rlmega.agent.loop import AgentLoop
+        from rlmega.errors import UserError
+
+        if self.config.rollout.mode != "sync":
+            raise UserError(f"agent.enabled: multi-turn rollouts run in rollout.mode=sync only, "
+                            f"got {self.config.rollout.mode}")
+        if not self.config.data.use_chat_template:
+            raise UserError("agent.enabled: needs data.use_chat_template=true (tool outputs follow the chat template)")
+        return AgentLoop(self.config.agent, self.tokenizer, stop_token_ids=self.stop_token_ids,
+                         chat_template_kwargs=self.config.data.chat_template_kwargs)
+
     # ---- sampling and scoring ---------------------------------------------------------------
+
+    def generate(self, engines: Generator, records: Sequence[PromptRecord], params: SamplingParams) -> list[Generation]:
+        """``params.n`` responses per record, prompt-major: one generation each, or the agent loop's trajectories."""
+        if self.agent is not None:
+            return self.agent.run(engines, records, params)
+        return engines.generate([record.prompt_token_ids for record in records], params)
 
     def sampling_params(self, *, temperature: float, n: int, seed: Optional[int]) -> SamplingParams:
         rollout = self.config.rollout
@@ -120,9 +140,20 @@ class PromptSource:
         texts = [self.tokenizer.decode(g.response_token_ids, skip_special_tokens=True) for g in generations]
         items = [ScoreItem.from_record(records[g.prompt_index], text, g.response_token_ids)
                  for g, text in zip(generations, texts)]
+        if self.agent is not None:  # the scorer also gets the episode: final answer, turns, tool calls
+            from rlmega.agent.loop import episode_info
+
+            for item, generation in zip(items, generations):
+                episode = episode_info(generation)
+                item.extra_info = {**(item.extra_info or {}), "agent": episode}
+                item.prompt_token_ids = generation.prompt_token_ids  # rendered with the tools
+                if self.config.agent.scored_text == "final_answer":
+                    item.solution_str = episode["final_answer"]
         val = self.val_dataset  # a validation record is the validation dataset's own record at its index
         validation = val is not None and all(r.index < len(val) and val[r.index] is r for r in records)
         scores, metrics = self.rewards.score_batch(items, validation=validation)
+        # An agent's environment rewards its episode too (0 without one).
+        scores = [score + getattr(g, "env_reward", 0.0) for score, g in zip(scores, generations)]
         return torch.tensor(scores, dtype=torch.float32), metrics
 
     def rollouts(self, engines: Generator, step: int) -> Rollouts:
@@ -135,9 +166,8 @@ class PromptSource:
         all_scores, all_generations, reward_metrics, dropped = [], [], {}, 0
         for round_index in range(rounds):
             records = self.dataset.batch(self.sampler.next_batch())
-            prompts = [record.prompt_token_ids for record in records]
             seed = _seed(config.trainer.seed, step, round_index)
-            generations = engines.generate(prompts, self.sampling_params(
+            generations = self.generate(engines, records, self.sampling_params(
                 temperature=config.rollout.temperature, n=config.rollout.n, seed=seed))
             raw_scores, reward_metrics = self.score(records, generations)
             all_scores.append(raw_scores)
@@ -145,7 +175,7 @@ class PromptSource:
             scores = self.shape_scores(raw_scores, generations)
             baselines = torch.zeros(len(records))
             if self.needs_greedy_baseline:
-                greedy = engines.generate(prompts, self.sampling_params(temperature=0.0, n=1, seed=None))
+                greedy = self.generate(engines, records, self.sampling_params(temperature=0.0, n=1, seed=None))
                 baselines = self.score(records, greedy)[0]
             group_ids = [g.prompt_index for g in generations]
             keep = range(len(records))
@@ -166,6 +196,10 @@ class PromptSource:
                 "raise algorithm.max_generation_rounds or rollout.n, or turn off algorithm.dynamic_sampling"
             )
         metrics = self.generation_metrics(torch.cat(all_scores), all_generations, reward_metrics)
+        if self.agent is not None:
+            from rlmega.agent.loop import agent_metrics
+
+            metrics.update(agent_metrics(all_generations))
         metrics.update({"batch/generation_rounds": float(round_index + 1), "batch/dropped_groups": float(dropped)})
         return self.assemble(kept, metrics)
 
@@ -175,8 +209,9 @@ class PromptSource:
         if not algorithm.overlong_buffer_length:
             return scores.clone()
         lengths = torch.tensor([len(g.response_token_ids) for g in generations])
+        longest = self.config.agent.max_response_tokens if self.agent is not None else self.config.rollout.max_new_tokens
         return scores + algos.overlong_reward_penalty(
-            lengths, max_response_length=self.config.rollout.max_new_tokens,
+            lengths, max_response_length=longest,
             overlong_buffer_length=algorithm.overlong_buffer_length, penalty_factor=algorithm.overlong_penalty_factor)
 
     @staticmethod
@@ -194,8 +229,10 @@ class PromptSource:
         tokens, prompts, scores, group_ids, masks, logps, versions, token_versions, baselines = ([] for _ in range(9))
         for group_index, group in enumerate(kept):
             for sample, (generation, score) in enumerate(zip(group.generations, group.scores)):
-                tokens.append(torch.tensor(group.record.prompt_token_ids + generation.response_token_ids))
-                prompts.append(len(group.record.prompt_token_ids))
+                # An agent's trajectory starts from its own prompt (rendered with the tools).
+                prompt = getattr(generation, "prompt_token_ids", group.record.prompt_token_ids)
+                tokens.append(torch.tensor(prompt + generation.response_token_ids))
+                prompts.append(len(prompt))
                 scores.append(float(score))
                 group_ids.append(group_index)
                 logps.append(torch.tensor(generation.logprobs, dtype=torch.float32))
@@ -206,13 +243,19 @@ class PromptSource:
                 versions.append(int(produced_by.min()) if length else generation.weight_version)
                 baselines.append(group.baseline)
                 truncated = algorithm.filter_truncated and generation.finish_reason == "length"
-                masks.append(torch.full((length,), 0.0 if truncated else 1.0))
+                own_tokens = getattr(generation, "loss_mask", None)  # an agent's: 0 on tool output and glue
+                mask = torch.ones(length) if own_tokens is None else torch.tensor(own_tokens, dtype=torch.float32)
+                masks.append(mask * (0.0 if truncated else 1.0))
         metrics["batch/num_sequences"] = float(len(tokens))
+        # R3: the engines' routing of every token, replayed by the actor (None unless every engine recorded it).
+        routing = [generation.routing for group in kept for generation in group.generations]
+        routing = routing if routing and all(r is not None and r.shape[0] == t.numel()
+                                             for r, t in zip(routing, tokens)) else None
         return Rollouts(
-            batch=SequenceBatch(tokens, prompts, temperature=self.config.rollout.temperature),
+            batch=SequenceBatch(tokens, prompts, temperature=self.config.rollout.temperature, routing=routing),
             scores=torch.tensor(scores), group_ids=group_ids, rollout_logp=logps, weight_versions=versions,
             token_versions=token_versions, prompt_indices=[group.record.index for group in kept],
-            response_mask=masks if algorithm.filter_truncated else None,
+            response_mask=masks if algorithm.filter_truncated or self.agent is not None else None,
             baseline_scores=torch.tensor(baselines) if self.needs_greedy_baseline else None, metrics=metrics,
         )
 
@@ -225,7 +268,7 @@ class PromptSource:
         count = min(self.config.trainer.val_prompts, len(self.val_dataset))
         records = self.val_dataset.batch(list(range(count)))
         params = self.sampling_params(temperature=self.config.rollout.val_temperature, n=1, seed=self.config.trainer.seed)
-        generations = engines.generate([r.prompt_token_ids for r in records], params)
+        generations = self.generate(engines, records, params)
         scores, _ = self.score(records, generations)
         samples = [
             {"prompt": self.tokenizer.decode(records[g.prompt_index].prompt_token_ids, skip_special_tokens=True),
@@ -262,5 +305,7 @@ class PromptSource:
         self.sampler.load_state_dict(state["sampler"])
 
     def close(self) -> None:
-        """End the scoring processes, and the reward model's ranks and the judge's engines if any."""
+        """End the scoring processes, the tool workers, and the reward model's ranks and the judge's engines if any."""
         self.rewards.close()
+        if self.agent is not None:
+            self.agent.close()

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Sequence
 
 
-class WorkerFailure(RuntimeError):
+from rlmega.errors import RunFailure
+
+
+class WorkerFailure(RunFailure):
     """A training rank or rollout engine died, raised, or did not answer in time."""
 
 
@@ -27,10 +31,31 @@ def wait_all(refs: Sequence[Any], names: Sequence[str], timeout_s: float, what: 
         try:
             results[ref] = ray.get(ref, timeout=timeout_s)
         except RayActorError as error:
-            raise WorkerFailure(f"{what}: {pending[ref]} died ({type(error).__name__}: {str(error).splitlines()[0]})") from error
+            raise WorkerFailure(f"{what}: {pending[ref]} died ({_why(error)}){_log_hint(pending[ref])}") from error
         except RayTaskError as error:
             cause = error.cause if getattr(error, "cause", None) is not None else error
             raise WorkerFailure(f"{what}: {pending[ref]} raised {type(cause).__name__}: {cause}") from error
         except GetTimeoutError as error:
             raise WorkerFailure(f"{what}: no answer from {pending[ref]} within {timeout_s:.0f} s") from error
     return [results[ref] for ref in refs]
+
+
+def _why(error: Exception) -> str:
+    """Ray's reason for an actor's death in a few words (its message runs to a paragraph)."""
+    text = " ".join(str(error).split())
+    if "ray.kill" in text:
+        return "killed by ray.kill"
+    if "node has died" in text or "node died" in text:
+        return "its node died"
+    exit_type = re.search(r"Worker exit type: (\w+)", text)
+    if exit_type and exit_type.group(1) == "SYSTEM_ERROR":
+        return "its process ended unexpectedly: killed by a signal, out of memory, or crashed"
+    because = re.search(r"(The actor (?:is dead|died) because [^.]*)", text)
+    return (because.group(1) if because else text.split(". ")[0])[:200]
+
+
+def _log_hint(name: str) -> str:
+    from rlmega.trainer.worker_logs import log_of
+
+    path = log_of(name)
+    return f"; its output is in {path}" if path else ""

@@ -24,28 +24,32 @@ def _engine_node(_actor) -> tuple[str, str]:
 
 
 class RolloutGroup:
-    """``rollout.num_engines`` HF engines (the CPU backend), each in its own actor, placed by
-    ``scheduling(i)`` (a Ray scheduling strategy for engine i)."""
+    """``rollout.num_engines`` engines of ``rollout.backend``, each in its own actor, placed by
+    ``scheduling(i)`` (a Ray scheduling strategy for engine i); ``record_routing``: every generation
+    carries its MoE routing (hf engine)."""
 
-    def __init__(self, config: RLConfig, scheduling):
+    def __init__(self, config: RLConfig, scheduling, name: str = "rollout engine", record_routing: bool = False):
         import ray
 
         from rlmega.rollout.ray_actor import ENGINE_ACTOR_CONCURRENCY, RemoteEngine
+        from rlmega.trainer.worker_logs import actor_env, logged
 
         self.config = config
         self.timeout_s = config.cluster.timeout_s
         engine_class, arguments = _engine(config)
+        if record_routing:  # MoE routing replay (R3): the actor replays the experts the engines chose
+            arguments["record_routing"] = True
         threads = str(max(1, int(config.rollout.cpus_per_engine)))
+        self.names = [f"{name} {index}" for index in range(config.rollout.num_engines)]
         self.actors = [
-            ray.remote(engine_class).options(
+            ray.remote(logged(engine_class)).options(
                 num_cpus=config.rollout.cpus_per_engine, num_gpus=config.rollout.gpus_per_engine,
                 max_concurrency=ENGINE_ACTOR_CONCURRENCY,  # threaded: a pause reaches a running generate
                 scheduling_strategy=scheduling(index),
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": threads}},
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, **actor_env(config.run_dir, name)}},
             ).remote(config.model.path, **arguments)
-            for index in range(config.rollout.num_engines)
+            for index, name in enumerate(self.names)
         ]
-        self.names = [f"rollout engine {index}" for index in range(len(self.actors))]
         self.engines = [RemoteEngine(actor, bucket_bytes=config.sync.bucket_bytes) for actor in self.actors]
         located = wait_all([actor.__ray_call__.remote(_engine_node) for actor in self.actors], self.names,
                            max(self.timeout_s, 300.0), "starting engines")

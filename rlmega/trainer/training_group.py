@@ -26,6 +26,9 @@ class RankProcess:
     returns rank 0's result (None elsewhere)."""
 
     def __init__(self, rank: int, world_size: int):
+        from rlmega.trainer.worker_logs import redirect_output
+
+        redirect_output()  # library warnings and progress bars go to this rank's log, not the console
         self.rank, self.world_size = rank, world_size
         self.workers: dict = {}
 
@@ -213,22 +216,25 @@ class TrainingRanks:
     world of their own; ``setup(rank, master)`` builds each rank's workers (a ``.remote`` call)."""
 
     def __init__(self, resources: RankResources, placement_group, timeout_s: float,
-                 setup: Callable[[Any, tuple[str, int]], Any]):
+                 setup: Callable[[Any, tuple[str, int]], Any], run_dir: Optional[str] = None):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from rlmega.trainer.worker_logs import actor_env
 
         self.timeout_s = timeout_s
         world_size = resources.world_size
         actor_class = ray.remote(RankProcess)
+        self.names = [f"{resources.name} {rank}" for rank in range(world_size)]
+        threads = str(max(1, int(resources.cpus_per_rank)))
         self.ranks = [
             actor_class.options(
                 num_cpus=resources.cpus_per_rank, num_gpus=resources.gpus_per_rank,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=rank),
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(max(1, int(resources.cpus_per_rank)))}},
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, **actor_env(run_dir, self.names[rank])}},
             ).remote(rank, world_size)
             for rank in range(world_size)
         ]
-        self.names = [f"{resources.name} {rank}" for rank in range(world_size)]
         try:
             addresses = self.each(lambda rank: rank.address.remote(), "address")
             self.nodes = [{"rank": rank, "ip": ip, "node_id": node} for rank, (ip, _, node) in enumerate(addresses)]
@@ -242,13 +248,13 @@ class TrainingRanks:
     def for_policy(cls, config: RLConfig, placement_group, total_steps: int) -> TrainingRanks:
         """The policy's ranks (``layout``): actor, and reference and critic when needed."""
         return cls(RankResources.of_policy(config), placement_group, config.cluster.timeout_s,
-                   lambda rank, master: rank.setup.remote(master, config, total_steps))
+                   lambda rank, master: rank.setup.remote(master, config, total_steps), config.run_dir)
 
     @classmethod
     def for_reward_model(cls, config: RLConfig, placement_group) -> TrainingRanks:
         """The reward model's ranks (``reward_model.layout``), a world of their own."""
         return cls(RankResources.of_reward_model(config), placement_group, config.cluster.timeout_s,
-                   lambda rank, master: rank.setup_reward_model.remote(master, config))
+                   lambda rank, master: rank.setup_reward_model.remote(master, config), config.run_dir)
 
     def each(self, call: Callable[[Any], Any], what: str, timeout_s: Optional[float] = None) -> list:
         """``call(rank_handle)`` (a ``.remote(...)`` call) on every rank; all answers, in rank order."""

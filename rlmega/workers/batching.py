@@ -35,6 +35,9 @@ class SequenceBatch:
     temperature: float = 1.0
     """The sampling temperature of the responses: every log-prob and entropy of this batch is taken
     under ``softmax(logits / temperature)``, the distribution the engine sampled from (0: greedy, as 1)."""
+    routing: Optional[list[torch.Tensor]] = None
+    """MoE routing to replay (``rlmega.workers.routing``): per sequence ``[L_i, M, k]`` expert ids, every
+    token through the model's M MoE layers; None: the routers choose."""
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -47,6 +50,13 @@ class SequenceBatch:
                     f"sequence {index}: need 1-D tokens with a prompt of 1..{tokens.numel() - 1} tokens and at least "
                     f"one response token, got shape {list(tokens.shape)} and prompt length {prompt}"
                 )
+        if self.routing is not None:
+            if len(self.routing) != len(self.tokens):
+                raise ValueError(f"routing has {len(self.routing)} entries for {len(self.tokens)} sequences")
+            for index, (routing, tokens) in enumerate(zip(self.routing, self.tokens)):
+                if routing.dim() != 3 or routing.shape[0] != tokens.numel():
+                    raise ValueError(f"routing of sequence {index} has shape {list(routing.shape)}, expected "
+                                     f"[{tokens.numel()}, moe_layers, topk] (one row per token)")
         response_lengths = self.response_lengths
         for name, values in self.fields.items():
             if len(values) != len(self.tokens):
@@ -73,10 +83,11 @@ class SequenceBatch:
         return SequenceBatch(
             [self.tokens[i] for i in indices], [self.prompt_lengths[i] for i in indices],
             {name: [values[i] for i in indices] for name, values in self.fields.items()}, self.temperature,
+            None if self.routing is None else [self.routing[i] for i in indices],
         )
 
     def with_fields(self, **fields: list[torch.Tensor]) -> "SequenceBatch":
-        return SequenceBatch(self.tokens, self.prompt_lengths, {**self.fields, **fields}, self.temperature)
+        return dataclasses.replace(self, fields={**self.fields, **fields})
 
     @property
     def logit_scale(self) -> float:
@@ -160,6 +171,11 @@ class MicroBatch:
     context_share: Optional[object] = None
     """Under context parallelism, this rank's share (``context_parallel.ContextShare``): then
     ``tokens`` and ``response_*`` positions are this rank's, ``response_lengths`` the whole sequences'."""
+    placements: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    """Per sequence, its first token's flat index into the whole (unsplit) ``[B, S]`` and its length."""
+    routing: Optional[torch.Tensor] = None
+    """``[B, S, M, k]`` MoE routing laid out like ``tokens`` (-1 on padding), when the batch has routing
+    to replay."""
 
     @property
     def num_tokens(self) -> int:
@@ -208,12 +224,13 @@ def build_micro_batch(
             rows, width = max(rows, shape[0]), max(width, shape[1])
     tokens = torch.full((rows, width), pad_token_id, dtype=torch.long)
     position_ids = torch.arange(width).repeat(rows, 1)
-    positions, targets = [], []
+    positions, targets, placements = [], [], []
     real_lengths, slot_lengths = [], []  # packed segments: tokens used, tokens occupied
     offset = 0
     for row, (sequence, prompt, slot) in enumerate(zip(sequences, prompts, slots)):
         start = offset if packing else row * width
         tokens.view(-1)[start:start + sequence.numel()] = sequence
+        placements.append((start, sequence.numel()))
         if packing:
             position_ids[0, offset:offset + slot] = torch.arange(slot)
             real_lengths.append(sequence.numel())
@@ -238,7 +255,20 @@ def build_micro_batch(
         response_positions=torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long),
         response_targets=torch.cat(targets) if targets else torch.zeros(0, dtype=torch.long),
         response_lengths=[s.numel() - p for s, p in zip(sequences, prompts)],
+        placements=placements,
+        routing=None if batch.routing is None else _routing_rows(batch, indices, placements, rows, width),
     )
+
+
+def _routing_rows(batch: SequenceBatch, indices: list[int], placements: list[tuple[int, int]], rows: int,
+                  width: int) -> torch.Tensor:
+    """``[rows, width, M, k]``: each sequence's routing where its tokens are; padding -1 (the replay routes
+    it to experts 0..k-1 and leaves it out of its counts)."""
+    layers, topk = batch.routing[indices[0]].shape[1:] if indices else batch.routing[0].shape[1:]
+    routing = torch.full((rows * width, layers, topk), -1, dtype=torch.int16)
+    for index, (start, length) in zip(indices, placements):
+        routing[start:start + length] = batch.routing[index]
+    return routing.view(rows, width, layers, topk)
 
 
 def block_causal_mask(segment_lengths: list[int]) -> torch.Tensor:

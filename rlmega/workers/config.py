@@ -173,6 +173,10 @@ class WorkerConfig:
     freeze_moe_router: bool = False
     """Keep the MoE routers' weights fixed (no gradient, not updated): a common choice for RL on MoE
     models, whose routing otherwise drifts between rollout and training."""
+    router_replay: str = "none"
+    """MoE routing replay (``rlmega.workers.routing``): ``none``; ``r2``: the old-log-prob pass records
+    every token's experts and the update replays them; ``r3``: the batch's routing (from the rollout
+    engine) is replayed in both."""
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -191,6 +195,8 @@ class WorkerConfig:
             raise ValueError("recompute_modules needs recompute_granularity=selective")
         if self.activation_offload_layers < 0:
             raise ValueError(f"activation_offload_layers must be >= 0, got {self.activation_offload_layers}")
+        if self.router_replay not in ("none", "r2", "r3"):
+            raise ValueError(f"router_replay={self.router_replay!r} must be none, r2 or r3")
         if self.activation_offload_layers and self.recompute_granularity:
             raise ValueError("activation_offload_layers and recompute_granularity exclude each other (Megatron's rule)")
 

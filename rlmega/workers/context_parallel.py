@@ -45,6 +45,8 @@ class ContextShare:
     """Response tokens held by each CP rank."""
     restore: torch.Tensor
     """``[N]``: the response tokens concatenated rank by rank, indexed by this, are in micro-batch order."""
+    columns: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    """Per CP rank, the columns of the whole micro-batch it holds, in its order."""
 
 
 def _segments(micro_batch: MicroBatch) -> list[int]:
@@ -82,7 +84,8 @@ def split_micro_batch(micro_batch: MicroBatch, cp: int, rank: int) -> MicroBatch
         position_ids=micro_batch.position_ids[:, columns[rank]],
         response_positions=rows[mine] * local_width + local_index[cols[mine]],
         response_targets=micro_batch.response_targets[mine],
-        context_share=ContextShare(rank, [int((owners == r).sum()) for r in range(cp)], restore),
+        context_share=ContextShare(rank, [int((owners == r).sum()) for r in range(cp)], restore, columns),
+        routing=None if micro_batch.routing is None else micro_batch.routing[:, columns[rank]],
     )
 
 

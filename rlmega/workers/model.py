@@ -58,9 +58,13 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, config: WorkerConfig) -
     if config.activation_offload_layers and not torch.cuda.is_available():
         raise ValueError("activation_offload_layers moves activations from the GPU to host memory and needs CUDA; "
                          "on CPU use recompute_granularity instead")
+    replay = {}
+    if config.router_replay != "none":
+        _check_router_replay(spec, layout, config)
+        replay = dict(moe_enable_routing_replay=True)
     transformer_config = spec.transformer_config(
         layout, params_dtype=dtype, sequence_parallel=sequence_parallel, init_method_std=0.02,
-        **config.memory_settings(),
+        **config.memory_settings(), **replay,
     )
     models = build_chunks(spec, layout, transformer_config)
     if config.freeze_moe_router:
@@ -88,6 +92,13 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, config: WorkerConfig) -
     transformer_config.finalize_model_grads_func = finalize_model_grads
     transformer_config.no_sync_func = [chunk.no_sync for chunk in chunks] if len(chunks) > 1 else chunks[0].no_sync
     return chunks, transformer_config
+
+
+def _check_router_replay(spec: ModelSpec, layout: ParallelLayout, config: WorkerConfig) -> None:
+    if not spec.num_experts:
+        raise ValueError(f"router_replay={config.router_replay} replays MoE routing; this model has no experts")
+    if config.role not in ("actor", "ref"):
+        raise ValueError(f"router_replay is for the actor (and reference); the {config.role} routes by itself")
 
 
 def check_head(spec: ModelSpec, role: str) -> None:

@@ -32,9 +32,11 @@ class HeadResult:
     """Per-token values ``[N]`` in the micro-batch's response order."""
 
 
-def run_schedule(chunks: list, micro_batches: list[MicroBatch], head: Head, *, forward_only: bool) -> list[Optional[HeadResult]]:
+def run_schedule(chunks: list, micro_batches: list[MicroBatch], head: Head, *, forward_only: bool,
+                 routing=None) -> list[Optional[HeadResult]]:
     """One pass of Megatron's schedule; on the last pipeline stage, each micro-batch's head result
-    (None elsewhere). Gradients accumulate into the DDP buffers when not ``forward_only``."""
+    (None elsewhere). Gradients accumulate into the DDP buffers when not ``forward_only``.
+    ``routing`` (``rlmega.workers.routing.RoutingReplay``) records or replays the MoE routing."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -42,10 +44,14 @@ def run_schedule(chunks: list, micro_batches: list[MicroBatch], head: Head, *, f
         micro_batch = next(iterator)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         mask = micro_batch.attention_mask
+        if routing is not None:
+            routing.before(model, micro_batch)
         output = model(
             micro_batch.tokens.to(device), micro_batch.position_ids.to(device),
             None if mask is None else mask.to(device), packed_seq_params=_on(micro_batch.packed_seq_params, device),
         )
+        if routing is not None:
+            routing.after(model, micro_batch)
 
         def loss_func(output_tensor):
             result = head(micro_batch, output_tensor)

@@ -13,6 +13,7 @@ come back whole on every rank. All methods are collective over the job's ranks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 import warnings
@@ -36,6 +37,7 @@ from rlmega.workers.model import build_model, build_optimizer, resolve_dtype
 from rlmega.workers.offload import HostOffload, model_tensors, optimizer_tensors
 from rlmega.workers.passes import combine_metrics, run_schedule, scatter_outputs
 from rlmega.workers.perf import PerfCounter
+from rlmega.workers.routing import RoutingReplay, routing_of
 
 
 class MegatronWorker:
@@ -69,11 +71,45 @@ class MegatronWorker:
             raise RuntimeError(f"compute_logprobs needs an actor or ref worker; this one is the {self.config.role}")
         micro_batches = self._micro_batches(batch)
         head = heads.logprob_head(self.spec.vocab_size, self.config.batching.logprob_chunk_tokens, batch.logit_scale)
+        # R2: the actor's old-log-prob pass records the routing its update will replay; R3 replays the engine's.
+        record = self.config.role == "actor" and self.config.router_replay == "r2" and batch.routing is None
+        routing = self._routing(micro_batches, record=record)
         with self._on_device(), torch.no_grad():
-            results = run_schedule(self.chunks, micro_batches, head, forward_only=True)
+            try:
+                results = run_schedule(self.chunks, micro_batches, head, forward_only=True, routing=routing)
+            finally:
+                if routing is not None:
+                    routing.finish()
+        if record:
+            self._recorded_routing = (batch.tokens, routing_of(batch, routing.recorded(len(batch))))
+        elif routing is not None:  # R3: how often the trainer would have chosen other experts than the engine
+            self._routing_metrics = routing.differing_fraction("rollout_differs")
         lengths = batch.response_lengths
         return (scatter_outputs(results, micro_batches, "logprobs", lengths),
                 scatter_outputs(results, micro_batches, "entropy", lengths))
+
+    def _routing(self, micro_batches: list[MicroBatch], *, record: bool = False) -> Optional[RoutingReplay]:
+        """What records or replays the MoE routing of a pass (None: the routers choose)."""
+        if self.config.router_replay == "none" or self.config.role not in ("actor", "ref"):
+            return None
+        if not record and micro_batches and micro_batches[0].routing is None:
+            if self.config.router_replay == "r3":
+                raise RuntimeError("router_replay=r3: the batch carries no routing; the rollout engines must record "
+                                   "it (rollout.backend=hf)")
+            return None
+        return RoutingReplay(self.chunks, self.spec, micro_batches, record=record,
+                             sequence_parallel=self.transformer_config.sequence_parallel)
+
+    def _with_recorded_routing(self, batch: SequenceBatch) -> SequenceBatch:
+        """R2: ``batch`` with the routing the old-log-prob pass recorded for it."""
+        if self.config.router_replay != "r2" or batch.routing is not None:
+            return batch
+        recorded = getattr(self, "_recorded_routing", None)
+        if recorded is None or len(recorded[0]) != len(batch) or not all(
+                torch.equal(a, b) for a, b in zip(recorded[0], batch.tokens)):
+            raise RuntimeError("router_replay=r2: this batch's routing was not recorded; its old log-probs must come "
+                               "from compute_logprobs on the same batch just before the update")
+        return dataclasses.replace(batch, routing=recorded[1])
 
     def compute_values(self, batch: SequenceBatch) -> list[torch.Tensor]:
         """Per sequence, the critic's values ``[R_i]`` at the positions that predict response tokens."""
@@ -114,16 +150,20 @@ class MegatronWorker:
         if len(batch) < self.config.ppo_mini_batches:
             raise ValueError(f"batch of {len(batch)} sequences cannot make ppo_mini_batches={self.config.ppo_mini_batches}")
         steps = []
+        batch = self._with_recorded_routing(batch)
         with self._on_device():
             for _ in range(self.config.ppo_epochs):
                 for indices in _contiguous_splits(len(batch), self.config.ppo_mini_batches):
                     steps.append(self._train_step(batch.select(indices)))
         prefix = "critic" if self.config.role == "critic" else "actor"
         names = sorted({name for step in steps for name in step})
-        return {
+        metrics = {
             name if "/" in name else f"{prefix}/{name}": sum(step.get(name, 0.0) for step in steps) / len(steps)
             for name in names
         }
+        metrics.update(getattr(self, "_routing_metrics", None) or {})  # the old-log-prob pass's (R3), once
+        self._routing_metrics = None
+        return metrics
 
     def update_on_policy(self, batch: SequenceBatch) -> tuple[dict[str, float], list[torch.Tensor], list[torch.Tensor]]:
         """The actor's one optimizer step on a batch scored by the current weights, without a separate
@@ -172,8 +212,15 @@ class MegatronWorker:
                 chunk_tokens=self.config.batching.logprob_chunk_tokens, backward_scale=scale,
             )
         self._zero_grads()
-        results = run_schedule(self.chunks, micro_batches, head, forward_only=False)
+        routing = None if sft else self._routing(micro_batches)
+        try:
+            results = run_schedule(self.chunks, micro_batches, head, forward_only=False, routing=routing)
+        finally:
+            if routing is not None:
+                routing.finish()
         metrics = combine_metrics(results, micro_batches)
+        if routing is not None:  # how often the routers, left alone, would have chosen other experts
+            metrics.update(routing.differing_fraction("update_differs"))
         loss_name = "sft_loss" if sft else "vf_loss" if self.config.role == "critic" else "loss"
         if math.isfinite(metrics.get(loss_name, 0.0)) and self._grads_finite():
             if not sft:

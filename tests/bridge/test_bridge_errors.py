@@ -109,3 +109,15 @@ def test_each_tensor_parallel_rank_reads_only_its_slices(llama_dir):
     # much more than half (the vocabulary rows of a padded vocab may all sit on one rank).
     assert sum(per_rank) == total + norms
     assert max(per_rank) < 0.6 * total
+
+
+def test_tied_config_with_a_different_stored_head_is_refused(tmp_path):
+    directory = tmp_path / "qwen2-tied"
+    save_tiny_model("qwen2-tied", directory)
+
+    def add_head(tensors):
+        tensors["lm_head.weight"] = torch.randn_like(tensors["model.embed_tokens.weight"])
+
+    directory = _variant(directory, tmp_path / "ckpt", edit_tensors=add_head)
+    message = _load_error(directory)
+    assert "holds its own 'lm_head.weight', different from 'model.embed_tokens.weight'" in message

@@ -145,3 +145,31 @@ def test_hf_to_mcore_refuses_bad_inputs_before_starting_ranks(hf_models, tmp_pat
 
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 1000, 1000))
     assert_fails("not enough disk space", lambda: hf_to_mcore.convert(hf, tmp_path / "out", layout, quiet=True), tmp_path / "out")
+
+
+def _tied_with_own_head(hf_dir, tmp_path, head_equals_embedding: bool):
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path / "tied-with-head"
+    shutil.copytree(hf_dir, directory)
+    tensors = load_file(directory / "model.safetensors")
+    embedding = tensors["model.embed_tokens.weight"]
+    tensors["lm_head.weight"] = embedding.clone() if head_equals_embedding else torch.randn_like(embedding)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+def test_tied_config_with_a_different_stored_head_is_refused(hf_models, tmp_path):
+    """A config that ties the head, with weights that hold a head of their own, would silently lose the head."""
+    source = _tied_with_own_head(hf_models["qwen2-tied"], tmp_path, head_equals_embedding=False)
+    assert json.loads((source / "config.json").read_text())["tie_word_embeddings"] is True
+    message = assert_fails("holds its own 'lm_head.weight', different from 'model.embed_tokens.weight'",
+                           lambda: hf_to_mcore.convert(source, tmp_path / "out", hf_to_mcore.layout_for(), quiet=True),
+                           tmp_path / "out")
+    assert '"tie_word_embeddings": false' in message and "delete 'lm_head.weight'" in message
+
+
+def test_tied_config_with_an_equal_stored_head_converts(hf_models, tmp_path):
+    source = _tied_with_own_head(hf_models["qwen2-tied"], tmp_path, head_equals_embedding=True)
+    hf_to_mcore.convert(source, tmp_path / "out", hf_to_mcore.layout_for(), quiet=True)
+    assert (tmp_path / "out").exists()

@@ -249,3 +249,19 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
     thinking = PromptDataset(DataConfig(files=[path], chat_template_kwargs={"think": True}), tokenizer)[0]
     assert tokenizer.decode(plain.prompt_token_ids) == "q"
     assert tokenizer.decode(thinking.prompt_token_ids) == "Tq"
+
+
+def test_prompts_are_read_once_per_process_until_the_file_changes(tmp_path, char_tokenizer):
+    import os
+
+    from rlmega.data import load_prompts
+
+    path = write_rows([_countdown_row(), _countdown_row()], tmp_path / "a.jsonl")
+    config = DataConfig(files=[str(path)])
+    first = load_prompts(config, char_tokenizer)
+    assert load_prompts(DataConfig(files=[str(path)]), char_tokenizer) is first  # validate, then the run
+    assert load_prompts(DataConfig(files=[str(path)], max_prompt_length=7, truncation="right"), char_tokenizer) is not first
+    write_rows([_countdown_row()] * 3, tmp_path / "a.jsonl")
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 1_000_000))
+    changed = load_prompts(config, char_tokenizer)
+    assert changed is not first and len(changed) == 3

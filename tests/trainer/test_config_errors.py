@@ -270,3 +270,15 @@ def test_the_command_line_names_a_bad_yaml_file_and_a_bad_data_row(tmp_path, run
         f"rlmega train: {train} row 0: the prompt is 8 tokens, longer than data.max_prompt_length=4; set "
         "data.truncation=left (keep its end) or data.filter_overlong_prompts=true (skip such prompts), or raise "
         "data.max_prompt_length\n")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["actor.router_replay=r2"], "actor.router_replay: r2 replays MoE routing;"),
+    (["actor.router_replay=r3"], "actor.router_replay: r3 replays MoE routing;"),
+    (["ref.router_replay=r2"], "ref.router_replay: only the actor replays routing"),
+    (["actor.router_replay=R2"], "router_replay='R2' must be none, r2 or r3"),
+])
+def test_router_replay_is_checked_up_front(run_dir, overrides, message):
+    with pytest.raises(UserError) as error:
+        validate(load_config("tiny_cpu", [f"run_dir={run_dir}", *overrides]))
+    assert "\n" not in str(error.value) and message in str(error.value), str(error.value)

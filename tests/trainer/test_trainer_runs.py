@@ -3,6 +3,7 @@ engine stops the run with its name, a failing reward function does not, and a ru
 SIGKILL resumes to exactly the metrics of an uninterrupted one."""
 
 import json
+import math
 import os
 import re
 import signal
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from rlmega.config import load_config
 from rlmega.trainer.assets import prepare_tiny_assets
@@ -118,9 +120,11 @@ def test_dead_engine_stops_the_run_naming_it(tmp_path, assets):
     try:
         ray.kill(trainer.engines.actors[0])
         started = time.monotonic()
-        with pytest.raises(WorkerFailure, match="rollout engine 0"):
+        with pytest.raises(WorkerFailure, match="rollout engine 0 died") as failure:
             trainer.train_step(1)
         assert time.monotonic() - started < 60
+        message = str(failure.value)
+        assert "\n" not in message and message.endswith(f"its output is in {tmp_path}/logs/workers/rollout-engine-0.log")
     finally:
         trainer.close()
         ray.shutdown()
@@ -232,3 +236,45 @@ def test_a_run_that_fails_to_start_leaves_the_run_directory_as_it_was(tmp_path, 
                     "trainer.sft_steps=0", "algorithm.dynamic_sampling=true", "algorithm.max_generation_rounds=1")
     assert result.returncode != 0 and "nothing to train on" in result.stderr
     assert sorted(p.name for p in run_dir.iterdir()) == ["assets"]  # no placement.json, no metrics.jsonl
+
+
+def test_the_console_shows_rlmega_lines_and_workers_write_to_their_logs(tmp_path, assets):
+    run_dir = tmp_path / "run"
+    result = _train(run_dir, assets, "trainer.total_steps=1", "rollout.placement=disaggregated")
+    assert result.returncode == 0, result.stderr[-3000:]
+    console = result.stdout + result.stderr
+    for noise in ("(RankProcess", "(HFEngine", "Warning", "Transformer Engine", "Loading weights", "INFO", "WARNING"):
+        assert noise not in console, console[-3000:]
+    assert "[step 1/1" in console
+    logs = run_dir / "logs" / "workers"
+    assert sorted(p.name for p in logs.iterdir()) == ["rollout-engine-0.log", "training-rank-0.log", "training-rank-1.log"]
+    assert "Transformer Engine and Apex are not installed" in (logs / "training-rank-1.log").read_text()
+
+
+def _tiny_moe_policy(directory: Path) -> Path:
+    """The quickstart's tokenizer on a small Qwen3-MoE (4 experts, top-2): a MoE policy for the same task."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from rlmega.data import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=32, max_position_embeddings=64,
+                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).float().save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("replay", ["r2", "r3"])
+def test_moe_policy_trains_with_routing_replay(tmp_path, assets, replay):
+    """R2 records in the old-log-prob pass, R3 in the engine; both update through two mini-batches."""
+    model = _tiny_moe_policy(tmp_path / "moe")
+    result = _train(tmp_path / "run", assets, f"model.path={model}", f"actor.router_replay={replay}",
+                    "trainer.total_steps=2", "layout.tp=1", "layout.world_size=1", "actor.ppo_mini_batches=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = _rows(tmp_path / "run")
+    assert [row["step"] for row in rows] == [1, 2] and all(math.isfinite(row["actor/ppo_kl"]) for row in rows)

@@ -1,0 +1,155 @@
+"""A long run of the quickstart job, watching its memory: does any process of the run grow?
+
+Runs `rlmega train --config tiny_cpu` (the quickstart config: warm-start, validation, checkpoints as it ships)
+for `--steps` RL steps and, every `--every` steps (when that step's metrics row appears), samples the resident
+memory of every process of the run (the driver and everything below it: the guardian, reward workers, Ray's GCS,
+raylet and agents, the training ranks, the engine and what they started) and the space used in /dev/shm. It
+prints the samples, grouped by kind of process, then each kind's growth from the first sample at or after
+`--from-step` to the last (target: <= 5 %).
+
+    python benchmarks/soak.py [--steps 500] [--every 10] [--from-step 50] [overrides...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TARGET_GROWTH = 0.05
+KINDS = (  # (kind, what its command line contains), the first match wins
+    ("training rank", "ray::RankProcess"),
+    ("engine", "ray::HFEngine"),
+    ("reward worker", "rlmega.rewards._worker"),
+    ("guardian", "rlmega.launch.guardian"),
+    ("gcs", "gcs_server"),
+    ("raylet", "raylet/raylet"),
+    ("ray agents", "Agent"),
+    ("ray helpers", "site-packages/ray/"),
+    ("rank children", "spawn_main"),
+)
+
+
+def _children() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    return children
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def sample(driver: int) -> dict[str, float]:
+    """Resident bytes per kind of process under ``driver`` (itself included), and /dev/shm's used bytes."""
+    children, todo, tree = _children(), [driver], []
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    sizes: dict[str, float] = {"driver": 0.0}
+    for pid in tree:
+        command = _cmdline(pid)
+        kind = "driver" if pid == driver else next((name for name, marker in KINDS if marker in command), "other")
+        sizes[kind] = sizes.get(kind, 0.0) + _rss_bytes(pid)
+    sizes["all processes"] = sum(sizes.values())
+    sizes["/dev/shm used"] = float(shutil.disk_usage("/dev/shm").used) if os.path.isdir("/dev/shm") else 0.0
+    sizes["processes"] = float(len(tree))
+    return sizes
+
+
+def _last_step(metrics: Path) -> int:
+    if not metrics.exists():
+        return 0
+    last = 0
+    for line in metrics.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a row being written
+            continue
+        if "timing_s/step" in row:
+            last = max(last, row["step"])
+    return last
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=500, help="RL steps to run (default 500)")
+    parser.add_argument("--every", type=int, default=10, help="sample every this many steps (default 10)")
+    parser.add_argument("--from-step", type=int, default=50, help="growth is measured from here (default 50)")
+    parser.add_argument("overrides", nargs="*", help="extra Hydra-style overrides for rlmega train")
+    args = parser.parse_args()
+    samples: list[tuple[int, dict[str, float]]] = []
+    with tempfile.TemporaryDirectory(prefix="rlmega-soak-") as run_dir:
+        metrics = Path(run_dir) / "metrics.jsonl"
+        command = [sys.executable, "-m", "rlmega.cli.main", "train", "--config", "tiny_cpu", f"run_dir={run_dir}",
+                   f"trainer.total_steps={args.steps}", "resume=never", "metrics.backends=[jsonl]", *args.overrides]
+        started = time.monotonic()
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+        try:
+            next_sample = args.every
+            while process.poll() is None:
+                step = _last_step(metrics)
+                if step >= next_sample:
+                    samples.append((step, sample(process.pid)))
+                    next_sample = (step // args.every + 1) * args.every
+                time.sleep(0.2)
+        finally:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+        if process.returncode != 0:
+            print(f"rlmega train exited with code {process.returncode}", file=sys.stderr)
+            return process.returncode
+    elapsed = time.monotonic() - started
+    if not samples:
+        print("no sample taken: the run ended before its first sampled step", file=sys.stderr)
+        return 1
+    kinds = [kind for kind in ("driver", *(name for name, _ in KINDS), "other", "all processes", "/dev/shm used")
+             if any(kind in sizes for _, sizes in samples)]
+    print(f"{args.steps} steps in {elapsed:.0f} s; resident MB per kind of process, sampled every {args.every} steps")
+    print(f"{'step':>6}{'procs':>7}" + "".join(f"{kind[:13]:>15}" for kind in kinds))
+    for step, sizes in samples:
+        columns = "".join(f"{sizes.get(kind, 0.0) / 2**20:>15.1f}" for kind in kinds)
+        print(f"{step:>6}{sizes['processes']:>7.0f}{columns}")
+    first = next(((step, sizes) for step, sizes in samples if step >= args.from_step), samples[0])
+    last = samples[-1]
+    print(f"\ngrowth from step {first[0]} to step {last[0]} (target <= {TARGET_GROWTH:.0%})")
+    worst = 0.0
+    for kind in kinds:
+        before, after = first[1].get(kind, 0.0), last[1].get(kind, 0.0)
+        growth = (after - before) / before if before else 0.0
+        if kind != "/dev/shm used":
+            worst = max(worst, growth)
+        print(f"{kind:<16}{before / 2**20:>10.1f} MB -> {after / 2**20:>10.1f} MB  {growth:>+8.1%}")
+    print(f"largest process-memory growth {worst:+.1%}: target {'met' if worst <= TARGET_GROWTH else 'NOT met'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""The driver killed with SIGKILL at seeded points of a short run, then resumed (``resume=auto``): every step's
+metrics equal those of an uninterrupted run, the data order too, a checkpoint killed halfway through its save is
+never resumed from, and after each kill no process of the run is left."""
+
+import json
+import random
+import time
+
+import pytest
+
+from fault_helpers import ONE_RANK, _comparable, _rows
+
+pytestmark = pytest.mark.timeout(600)
+
+TOTAL_STEPS = 8
+RUN = [f"trainer.total_steps={TOTAL_STEPS}", *ONE_RANK, "trainer.max_checkpoints_to_keep=2"]
+KILL_SEED = 1201
+KILL_POINTS = ("save", "sync", "moment")
+"""One kill inside a checkpoint save, one inside the weight sync, one at a seeded moment of a step."""
+
+
+def _trained_prompts(run_dir):
+    return [json.loads(line) for line in (run_dir / "trained_prompts.jsonl").read_text().splitlines()]
+
+
+def _tracker(run_dir) -> int:
+    path = run_dir / "checkpoints" / "actor" / "latest_checkpointed_iteration.txt"
+    return int(path.read_text()) if path.exists() else 0
+
+
+def test_driver_killed_at_seeded_points_resumes_to_the_uninterrupted_metrics(start_run):
+    """One uninterrupted reference run, then ONE run killed at ``len(KILL_POINTS)`` seeded points and resumed
+    after each. Three kill points, because each costs a restart (~30 s of Ray, rank and engine start-up on a
+    2-core machine) and three reach every phase a kill can corrupt; twenty separate killed runs would cost
+    twenty restarts and twenty reference-length runs (over ten minutes) for what the chain covers at once, and
+    in the chain every resume after the first starts from a checkpoint that a resumed process wrote. The
+    points: a checkpoint save (killed while its ``iter_*.tmp`` is being written), the weight sync (the rank
+    process is named ``RankProcess.push_weights``), and a seeded moment of a step (0-1.5 s after the previous
+    step's metrics row: generation, log-probs, update, or that step's save). ``KILL_SEED`` picks each point's
+    step (2 or 3 steps past the checkpoint it resumed from) and moment."""
+    reference = start_run("reference", *RUN)
+    assert reference.process.wait(timeout=300) == 0, reference.output()[-3000:]
+    expected = _rows(reference.run_dir)
+    assert [row["step"] for row in expected] == list(range(1, TOTAL_STEPS + 1))
+
+    rng = random.Random(KILL_SEED)
+    run_dir, landed = None, []
+    for number, point in enumerate(KILL_POINTS):
+        run = start_run("killed", *RUN, log_name=f"killed-{number}")
+        run_dir = run.run_dir
+        resumed_from = _tracker(run_dir)
+        # The step in which this kill lands: a step after a new checkpoint, so that the chain moves on.
+        target = resumed_from + rng.randint(2, 3)
+        ranks = run.processes("ray::RankProcess")
+        if resumed_from:
+            found = run.wait_for_output("resumed from")
+            assert f"iter_{resumed_from:07d} (step {resumed_from})" in found, found  # never a half-written one
+        staged = []
+
+        def staging():  # a new step's checkpoint being written (its metrics row came just before it)
+            actor = run_dir / "checkpoints" / "actor"
+            staged[:] = [path for path in actor.glob("iter_*.tmp") if int(path.name[5:12]) >= target]
+            return staged
+
+        run.wait_step(target - 1)
+        run.snapshot()  # now, so that nothing but a title check stands between the moment and the kill
+        if point == "save":
+            run.wait_title(ranks, "ray::RankProcess.save", also=staging)
+        elif point == "sync":
+            run.wait_title(ranks, "ray::RankProcess.push_weights")  # the initial sync came before any new row
+        else:
+            time.sleep(rng.uniform(0.0, 1.5))
+        assert run.process.poll() is None, f"the run ended before kill point {number} ({point})"
+        run.kill_driver(snapshot=False)
+        landed.append((point, target, run.last_step()))
+        run.assert_nothing_left()
+        saved = _tracker(run_dir)
+        # The tracker always names a complete checkpoint; a killed save leaves only its staging directory.
+        assert saved == 0 or (run_dir / "checkpoints" / "actor" / f"iter_{saved:07d}" / "rlmega.json").is_file()
+        if staged:
+            half_written = int(staged[0].name[5:12])
+            assert staged[0].is_dir() and saved == half_written - 1, (staged, saved, landed)
+
+    last_saved = _tracker(run_dir)
+    final = start_run("killed", *RUN, log_name="killed-final")
+    final.wait_step(last_saved + 1)
+    final.snapshot()  # the finished run leaves nothing behind either (its guardian included)
+    assert final.process.wait(timeout=300) == 0, final.output()[-3000:]
+    assert f"iter_{last_saved:07d} (step {last_saved})" in final.output()
+    assert _tracker(run_dir) == TOTAL_STEPS
+    got = _rows(run_dir)
+    assert [row["step"] for row in got] == list(range(1, TOTAL_STEPS + 1)), landed
+    for want, have in zip(expected, got):
+        assert _comparable(have) == pytest.approx(_comparable(want), rel=1e-6, abs=1e-6), (have["step"], landed)
+    assert _trained_prompts(run_dir) == _trained_prompts(reference.run_dir)
+    assert not list((run_dir / "checkpoints" / "actor").glob("iter_*.tmp"))  # the killed save's staging is gone
+    final.assert_nothing_left()
