@@ -206,9 +206,12 @@ def _check_router_replay(config: RLConfig, spec) -> None:
     if replay == "none":
         return
     _require(bool(spec.num_experts), "actor.router_replay", f"{replay} replays MoE routing; {config.model.path} has no experts")
-    _require(replay != "r3" or config.rollout.backend == "hf", "actor.router_replay",
-             f"r3 replays the rollout engine's routing, which the {config.rollout.backend} adapter does not report "
-             "yet (the hf engine does); use r2 (the old-log-prob pass's routing)")
+    if replay == "r3" and config.rollout.backend == "vllm":  # what vLLM 0.33 refuses with routed-expert capture
+        kwargs = config.rollout.engine_kwargs or {}
+        _require(kwargs.get("enable_prefix_caching", True) is not False, "rollout.engine_kwargs.enable_prefix_caching",
+                 "vLLM returns routed experts (actor.router_replay=r3) only with prefix caching on")
+        _require(int(kwargs.get("pipeline_parallel_size", 1)) == 1, "rollout.engine_kwargs.pipeline_parallel_size",
+                 "vLLM returns routed experts (actor.router_replay=r3) only without pipeline parallelism")
     _require(replay != "r3" or not config.agent.enabled, "actor.router_replay",
              "r3 with agent rollouts is not supported yet (tool output is tokenised, not routed, by the engine); use r2")
     _require(replay != "r3" or config.rollout.mode == "sync", "actor.router_replay",

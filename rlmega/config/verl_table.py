@@ -521,7 +521,7 @@ def _router_replay(prefix: str, role: str) -> dict[str, Setting]:
         }
     return {
         f"{prefix}.router_replay.mode": mapped(f"{role}.router_replay", default="disabled", rule=_router_replay_mode,
-                                               note="disabled -> none, R2 -> r2, R3 -> r3 (the hf engine records routing)"),
+                                               note="disabled -> none, R2 -> r2, R3 -> r3 (the engines record routing)"),
         f"{prefix}.router_replay.*": needless("recording and replay are rlmega's own (rlmega/workers/routing.py)"),
     }
 

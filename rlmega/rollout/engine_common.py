@@ -1,7 +1,8 @@
 """What the vLLM and SGLang adapters share: request checks, per-sample seeds, the checkpoint's weight
 names, the version / sleep bookkeeping that makes an engine refuse to generate from mixed weights, the
-engine lock and the answer of a paused engine, and ``EngineAdapter``, the protocol's logic around a handful
-of engine calls.
+engine lock and the answer of a paused engine, the MoE layers and the conversion of an engine's routed
+experts to ``Generation.routing``, and ``EngineAdapter``, the protocol's logic around a handful of engine
+calls.
 
 Nothing here imports vLLM or SGLang; the adapters keep every engine call in their own module. ``HFEngine``
 uses the request checks and the bookkeeping too, so all three engines follow the same rules and messages.
@@ -17,7 +18,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple, Optional
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -64,6 +67,9 @@ class ModelFacts:
     max_positions: int | None
     eos_token_ids: frozenset[int]  # ids the engine may stop on by itself (config.json and generation_config.json)
     tie_word_embeddings: bool
+    num_layers: int = 0  # decoder layers (num_hidden_layers)
+    moe_layers: tuple[int, ...] = ()  # 0-based indices of the MoE decoder layers, in order
+    experts_per_token: int = 0  # top-k of the MoE layers (num_experts_per_tok)
 
     @classmethod
     def from_checkpoint(cls, directory: str | Path) -> ModelFacts:
@@ -77,7 +83,69 @@ class ModelFacts:
         return cls(vocab_size=text["vocab_size"],
                    max_positions=text.get("max_position_embeddings", text.get("n_positions")),
                    eos_token_ids=frozenset(eos),
-                   tie_word_embeddings=bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", True))))
+                   tie_word_embeddings=bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", True))),
+                   num_layers=text.get("num_hidden_layers", 0),
+                   moe_layers=tuple(moe_layer_indices(text)),
+                   experts_per_token=text.get("num_experts_per_tok") or 0)
+
+
+def moe_layer_indices(text_config: dict) -> list[int]:
+    """The 0-based indices of the decoder layers that are MoE layers, from a (text) ``config.json``.
+
+    The rules of transformers and of the engines' model code (vLLM 0.33 ``deepseek_v2.py`` /
+    ``qwen3_moe.py``, SGLang 0.5.23 ``deepseek_v2.py``; SGLang's ``qwen3_moe.py`` builds every layer
+    sparse, so it cannot load a Qwen3-MoE checkpoint with dense layers at all): DeepSeek layer ``i`` is MoE
+    iff ``n_routed_experts`` and ``i >= first_k_dense_replace`` and ``i % moe_layer_freq == 0``; Qwen-MoE
+    layer ``i`` iff ``num_experts``, ``i not in mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``;
+    every layer of a model with ``num_local_experts`` (Mixtral, gpt-oss)."""
+    layers = text_config.get("num_hidden_layers", 0)
+    if "n_routed_experts" in text_config:
+        if not text_config["n_routed_experts"]:
+            return []
+        first_moe = text_config.get("first_k_dense_replace") or 0
+        every = text_config.get("moe_layer_freq") or 1
+        return [i for i in range(layers) if i >= first_moe and i % every == 0]
+    if not (text_config.get("num_experts") or text_config.get("num_local_experts")):
+        return []
+    dense = set(text_config.get("mlp_only_layers") or ())
+    step = text_config.get("decoder_sparse_step") or 1
+    return [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+
+
+def check_routable(facts: ModelFacts) -> None:
+    """``record_routing`` needs MoE layers (the same refusal as ``HFEngine``'s)."""
+    if not facts.moe_layers or facts.experts_per_token < 1:
+        raise ValueError("routing is recorded for MoE models; this model has no MoE layers")
+
+
+def routing_in_convention(captured: np.ndarray, moe_layers: Sequence[int], num_tokens: int) -> torch.Tensor:
+    """An engine's routed experts -> the protocol's ``[P + R, M, k]`` int16 (``Generation.routing``).
+
+    ``captured`` is ``[T, L, k]``: the experts of the first ``T`` tokens of prompt + response in every
+    decoder layer (a dense layer's rows hold nothing). Both engines return ``T = P + R_engine - 1``: every
+    token fed through the model, never the last sampled one. ``num_tokens`` is ``P + R`` after the
+    response was cut (``finish_response``): rows ``[0, P + R - 1)`` are kept, the MoE layers selected in
+    order, and the last token repeats the row before (as ``HFEngine``). A response cut before the end
+    of what the engine generated drops the rest.
+    """
+    captured = np.asarray(captured)
+    if captured.ndim != 3 or captured.shape[0] < num_tokens - 1:
+        raise RuntimeError(f"the engine returned routed experts of shape {tuple(captured.shape)}; expected "
+                           f"[>= {num_tokens - 1}, layers, k] for {num_tokens} tokens")
+    if max(moe_layers) >= captured.shape[1]:
+        raise RuntimeError(f"the engine returned routed experts for {captured.shape[1]} layers; the MoE layers "
+                           f"are {list(moe_layers)}")
+    rows = torch.from_numpy(captured[:num_tokens - 1][:, list(moe_layers)].astype(np.int16))
+    return torch.cat([rows, rows[-1:]])
+
+
+class EngineResponse(NamedTuple):
+    """One engine request's answer, as an adapter's ``_engine_generate`` returns it."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    aborted: bool  # ``_engine_interrupt`` cut the request short
+    routed_experts: Optional[np.ndarray] = None  # [T, L, k] in the engine's layout (``routing_in_convention``)
 
 
 def _read_json(path: Path) -> dict:
@@ -327,9 +395,12 @@ class EngineAdapter(ABC):
 
     engine_name: str  # health()["engine"]
 
-    def __init__(self, model: str | Path, *, bucket_bytes: int, engine_version: str):
+    def __init__(self, model: str | Path, *, bucket_bytes: int, engine_version: str, record_routing: bool = False):
         self.model_path = Path(model)
         self.facts = ModelFacts.from_checkpoint(self.model_path)
+        if record_routing:
+            check_routable(self.facts)
+        self.record_routing = record_routing
         self.weights = CheckpointWeights.from_checkpoint(self.model_path, self.facts)
         self.bucket_bytes = bucket_bytes
         self._engine_version = engine_version
@@ -345,9 +416,9 @@ class EngineAdapter(ABC):
 
     @abstractmethod
     def _engine_generate(self, prompts: list[list[int]], params: list[SamplingParams],
-                         seeds: list[int | None]) -> list[tuple[list[int], list[float], bool]]:
-        """One request per prompt, with its params and seed: ``(tokens, log-probs, aborted)`` of each, in
-        order; ``aborted`` when ``_engine_interrupt`` cut the request short."""
+                         seeds: list[int | None]) -> list[EngineResponse]:
+        """One request per prompt, with its params and seed, in order; with ``record_routing``, each
+        response that reached the model carries its routed experts."""
 
     @abstractmethod
     def _engine_interrupt(self, paused: threading.Event) -> None:
@@ -410,13 +481,25 @@ class EngineAdapter(ABC):
                                               [per_prompt[i] for i, _ in requests],
                                               [sample_seed(per_prompt[i].seed, i, j) for i, j in requests])
             generations = []
-            for (i, _), (tokens, logprobs, aborted) in zip(requests, responses):
+            for (i, _), response in zip(requests, responses):
                 p = per_prompt[i]
-                tokens, logprobs, reason = finish_response(tokens, logprobs, p.stop_token_ids, p.max_new_tokens,
-                                                           aborted)
+                tokens, logprobs, reason = finish_response(response.tokens, response.logprobs, p.stop_token_ids,
+                                                           p.max_new_tokens, response.aborted)
                 generations.append(Generation(prompt_index=i, response_token_ids=tokens, logprobs=logprobs,
-                                              finish_reason=reason, weight_version=self._book.version))
+                                              finish_reason=reason, weight_version=self._book.version,
+                                              routing=self._routing(response, len(prompts[i]) + len(tokens))))
             return generations
+
+    def _routing(self, response: EngineResponse, num_tokens: int) -> Optional[torch.Tensor]:
+        """``Generation.routing`` of one response: None unless recording; None for a response aborted before
+        the model saw it (SGLang returns nothing for a request aborted while queued)."""
+        if not self.record_routing:
+            return None
+        if response.routed_experts is None or (response.aborted and len(response.routed_experts) == 0):
+            if response.aborted:
+                return None
+            raise RuntimeError(f"{self.engine_name} returned no routed experts for a finished response")
+        return routing_in_convention(response.routed_experts, self.facts.moe_layers, num_tokens)
 
     def pause_generation(self) -> None:
         """See ``RolloutEngine.pause_generation``; how far a running call is interrupted depends on the

@@ -10,6 +10,9 @@ Two ways to get new weights in:
   ``begin_update`` / ``receive_weights(metas)`` / ``commit_update`` while the trainer rank broadcasts each
   bucket with ``rlmega.rollout.weight_group.broadcast_weights``.
 
+``record_routing=True`` starts the engine with ``enable_return_routed_experts`` and asks every request for its
+routed experts (MoE routing replay, R3): each ``Generation`` then carries ``routing``.
+
 ``pause_generation`` aborts the requests of a running ``generate`` in SGLang's scheduler
 (``TokenizerManager.abort_request(abort_all=True)``); they come back with the tokens generated so far.
 
@@ -19,14 +22,22 @@ tests/rollout/fakes/api/sglang.json is what the wheel's source says of each call
 
 from __future__ import annotations
 
+import base64
 import os
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
-from rlmega.rollout.engine_common import DEFAULT_BUCKET_BYTES, EngineAdapter, adapter_settings, check_version
+from rlmega.rollout.engine_common import (
+    DEFAULT_BUCKET_BYTES,
+    EngineAdapter,
+    EngineResponse,
+    adapter_settings,
+    check_version,
+)
 from rlmega.rollout.protocol import SamplingParams
 from rlmega.rollout.weight_group import WeightMeta
 
@@ -43,6 +54,13 @@ SUPPORTED_VERSIONS = ((0, 5, 23), (0, 5, 24))
 # sglang/srt/layers/sampler.py and sglang/srt/environ.py (which log-probs are returned),
 # sglang/srt/managers/scheduler_components/weight_updater.py (the update session),
 # sglang/srt/managers/tokenizer_manager.py (abort_request), sglang/srt/arg_groups/ (server arguments).
+# Routed experts: sglang/srt/arg_groups/fields/exec_.py (enable_return_routed_experts), Engine.generate's
+# return_routed_experts, sglang/srt/state_capturer/routed_experts.py and base.py (a host buffer per KV slot,
+# int32 [num_hidden_layers, num_experts_per_tok], each MoE layer at its layer id, logical ids before EPLB;
+# get_topk: rows [start, seqlen - 1), the last sampled token never fed),
+# sglang/srt/managers/scheduler_components/batch_result_processor.py (_maybe_collect_routed_experts: finished
+# requests, seqlen = prompt + output_ids_through_stop), sglang/srt/managers/tokenizer_manager.py
+# (meta_info["routed_experts"]: the int32 bytes, base64; extract_routed_experts_from_meta_info decodes it).
 
 # sglang/srt/layers/sampler.py reads it when the scheduler processes import it: with it, the returned
 # log-probs are log(softmax(raw logits)); without it, log(softmax(logits / temperature)) (greedy requests:
@@ -80,11 +98,13 @@ def _import_sglang():
     return sglang
 
 
-def _engine_settings() -> dict:
+def _engine_settings(record_routing: bool) -> dict:
     """Server arguments the adapter depends on."""
     return {
         "skip_tokenizer_init": True,  # token ids in and out
         "enable_memory_saver": True,  # without it release_memory_occupation frees nothing
+        # The routed-experts capturer exists only with it; requests then ask with return_routed_experts.
+        **({"enable_return_routed_experts": True} if record_routing else {}),
     }
 
 
@@ -114,9 +134,22 @@ def _sampling_params(params: SamplingParams, seed: int | None, ignore_eos: bool)
     return sampling
 
 
-def _generate(engine, prompts: list[list[int]], sampling: list[dict]) -> list[tuple[list[int], list[float], bool]]:
+def _routed_experts(meta: dict, num_layers: int, experts_per_token: int) -> np.ndarray | None:
+    """``meta_info["routed_experts"]``: base64 of int32 ``[seqlen - 1, num_hidden_layers, num_experts_per_tok]``
+    (absent for a request aborted while queued)."""
+    encoded = meta.get("routed_experts")
+    if encoded is None:
+        return None
+    flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    return flat.reshape(-1, num_layers, experts_per_token)
+
+
+def _generate(engine, prompts: list[list[int]], sampling: list[dict],
+              routing_shape: tuple[int, int] | None = None) -> list[EngineResponse]:
+    """``routing_shape``: ``(num_hidden_layers, num_experts_per_tok)`` to ask for routed experts, else None."""
+    routing = {"return_routed_experts": True} if routing_shape is not None else {}
     outputs = engine.generate(input_ids=prompts, sampling_params=sampling, return_logprob=True,
-                              logprob_start_len=-1)  # -1: no prompt log-probs
+                              logprob_start_len=-1, **routing)  # -1: no prompt log-probs
     responses = []
     for output in outputs:
         meta = output["meta_info"]
@@ -127,7 +160,8 @@ def _generate(engine, prompts: list[list[int]], sampling: list[dict]) -> list[tu
         tokens = list(output.get("output_ids", []))
         # (logprob, token id, text or None) per generated token
         logprobs = [logprob for logprob, _, _ in meta.get("output_token_logprobs", [])]
-        responses.append((tokens, logprobs, reason == "abort"))
+        experts = _routed_experts(meta, *routing_shape) if routing_shape is not None else None
+        responses.append(EngineResponse(tokens, logprobs, reason == "abort", experts))
     return responses
 
 
@@ -208,15 +242,18 @@ class SGLangEngine(EngineAdapter):
     ``enable_weights_cpu_backup=True`` is required for ``sleep(level=1)``, and seeded sampling is
     reproducible only with ``enable_deterministic_inference=True`` (SGLang ignores per-request seeds
     otherwise). Every engine call runs on one thread (``_EngineThread``), so the adapter may be called from
-    any thread.
+    any thread. ``record_routing=True`` (a MoE checkpoint only: a dense one raises ``ValueError`` here) makes
+    every ``Generation`` carry ``routing``, ``[P + R, M, k]`` int16.
     """
 
     engine_name = "sglang"
 
-    def __init__(self, model: str | os.PathLike, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, **server_kwargs):
+    def __init__(self, model: str | os.PathLike, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 record_routing: bool = False, **server_kwargs):
         self._sglang = _import_sglang()
-        server_kwargs = adapter_settings("SGLangEngine", server_kwargs, _engine_settings())
-        super().__init__(model, bucket_bytes=bucket_bytes, engine_version=self._sglang.__version__)
+        server_kwargs = adapter_settings("SGLangEngine", server_kwargs, _engine_settings(record_routing))
+        super().__init__(model, bucket_bytes=bucket_bytes, engine_version=self._sglang.__version__,
+                         record_routing=record_routing)
         self.keeps_weights_asleep = bool(server_kwargs.get("enable_weights_cpu_backup", False))
         self.engine = _new_engine(self._sglang, str(self.model_path), server_kwargs)
         self._loop = _EngineThread()
@@ -237,7 +274,7 @@ class SGLangEngine(EngineAdapter):
     # ------------------------------------------------------------------ engine calls: the SGLang 0.5.23 API above
 
     def _engine_generate(self, prompts: list[list[int]], params: list[SamplingParams],
-                         seeds: list[int | None]) -> list[tuple[list[int], list[float], bool]]:
+                         seeds: list[int | None]) -> list[EngineResponse]:
         """SGLang always stops at the checkpoint's EOS ids unless ``ignore_eos``, which also disables
         ``stop_token_ids``. A request whose stop ids cover every EOS id runs as is; any other runs with
         ``ignore_eos`` to ``max_new_tokens`` and is cut after its first stop token by ``finish_response``:
@@ -245,7 +282,8 @@ class SGLangEngine(EngineAdapter):
         """
         sampling = [_sampling_params(p, seed, ignore_eos=not self.facts.eos_token_ids <= set(p.stop_token_ids))
                     for p, seed in zip(params, seeds)]
-        return self._loop.run(_generate, self.engine, prompts, sampling)
+        routing_shape = (self.facts.num_layers, self.facts.experts_per_token) if self.record_routing else None
+        return self._loop.run(_generate, self.engine, prompts, sampling, routing_shape)
 
     def _engine_interrupt(self, paused: threading.Event) -> None:
         _interrupt(self.engine, paused)

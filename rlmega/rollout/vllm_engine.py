@@ -12,6 +12,9 @@ Two ways to get new weights in:
   trainer rank (``rlmega.rollout.weight_group``), then ``begin_update`` / ``receive_weights(metas)`` /
   ``commit_update`` receive buckets that the trainer rank broadcasts with ``broadcast_weights``.
 
+``record_routing=True`` builds the engine with ``enable_return_routed_experts`` (MoE routing replay, R3): every
+``Generation`` then carries the experts its tokens went to (``Generation.routing``).
+
 ``pause_generation`` does not interrupt a running ``generate`` (see ``_engine_interrupt``): the running call
 completes, and calls made while paused return "abort" at once without reaching vLLM.
 
@@ -26,7 +29,13 @@ import threading
 
 import torch
 
-from rlmega.rollout.engine_common import DEFAULT_BUCKET_BYTES, EngineAdapter, adapter_settings, check_version
+from rlmega.rollout.engine_common import (
+    DEFAULT_BUCKET_BYTES,
+    EngineAdapter,
+    EngineResponse,
+    adapter_settings,
+    check_version,
+)
 from rlmega.rollout.protocol import SamplingParams
 from rlmega.rollout.weight_group import WeightMeta
 
@@ -40,7 +49,13 @@ WORKER_EXTENSION = "rlmega.rollout.vllm_engine.VLLMWorkerExtension"
 # finish_weight_update), vllm/sampling_params.py, vllm/outputs.py (CompletionOutput), vllm/config/model.py
 # (LogprobsMode), vllm/config/weight_transfer.py, vllm/distributed/weight_transfer/nccl_engine.py
 # (start / finish: layerwise reload), vllm/v1/worker/gpu_worker.py (the weight-transfer calls,
-# model_runner), vllm/engine/arg_utils.py (worker_extension_cls, weight_transfer_config).
+# model_runner), vllm/engine/arg_utils.py (worker_extension_cls, weight_transfer_config, enable_return_routed_experts).
+# Routed experts: vllm/model_executor/layers/fused_moe/routed_experts_capturer.py (the capture buffer:
+# [tokens, num_hidden_layers, top-k], each MoE layer at its decoder-layer index, logical expert ids before
+# EPLB; uint8 up to 256 experts, else uint16), vllm/distributed/aux_output_connector/connector.py (take_output:
+# rows up to num_tokens - 1, the last sampled token never fed), vllm/v1/engine/output_processor.py (the rows
+# concatenated on the final output), vllm/outputs.py (CompletionOutput.routed_experts), vllm/config/vllm.py
+# (_verify_aux_output_compatibility: MoE models, prefix caching, no PP / context parallelism).
 
 def _import_vllm():
     import vllm
@@ -49,9 +64,13 @@ def _import_vllm():
     return vllm
 
 
-def _engine_settings() -> dict:
+def _engine_settings(record_routing: bool) -> dict:
     """Engine arguments the adapter depends on."""
+    routing = {"enable_return_routed_experts": True} if record_routing else {}
     return {
+        # Every request's CompletionOutput.routed_experts: [P + R - 1, num_hidden_layers, k] (no per-request
+        # switch; SamplingParams.routed_experts_prompt_start, default 0, would skip prompt rows).
+        **routing,
         # Token ids in, token ids out: no tokenizer, no detokenizer.
         "skip_tokenizer_init": True,
         # Log-probs of the distribution sampled from (vllm/v1/sample/sampler.py: after temperature, then
@@ -89,7 +108,7 @@ def _vllm_sampling_params(vllm, params: SamplingParams, seed: int | None):
     )
 
 
-def _vllm_generate(llm, prompts: list[list[int]], sampling_params: list) -> list[tuple[list[int], list[float], bool]]:
+def _vllm_generate(llm, prompts: list[list[int]], sampling_params: list) -> list[EngineResponse]:
     outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], sampling_params, use_tqdm=False)
     responses = []
     for output in outputs:
@@ -99,7 +118,9 @@ def _vllm_generate(llm, prompts: list[list[int]], sampling_params: list) -> list
                                f"{completion.finish_reason!r}")
         tokens = list(completion.token_ids)
         # logprobs[t] is {token id: Logprob} holding at least the sampled token.
-        responses.append((tokens, [step[token].logprob for step, token in zip(completion.logprobs, tokens)], False))
+        logprobs = [step[token].logprob for step, token in zip(completion.logprobs, tokens)]
+        # numpy [P + R - 1, num_hidden_layers, k] (uint8 / uint16) with enable_return_routed_experts, else None.
+        responses.append(EngineResponse(tokens, logprobs, False, completion.routed_experts))
     return responses
 
 
@@ -176,17 +197,21 @@ class VLLMEngine(EngineAdapter):
     ``model`` is a local Hugging Face checkpoint directory (safetensors): its headers give the weight
     names and shapes that ``update_weights`` checks before anything reaches vLLM. ``engine_kwargs`` go
     to ``vllm.LLM`` (``tensor_parallel_size``, ``gpu_memory_utilization``, ``dtype``, ``seed``, ...);
-    the four settings in ``_engine_settings`` are the adapter's and may not be changed.
+    the settings in ``_engine_settings`` are the adapter's and may not be changed.
     ``in_process=True`` runs vLLM's engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+    ``record_routing=True`` (a MoE checkpoint only: a dense one raises ``ValueError`` here) makes every
+    ``Generation`` carry ``routing``, ``[P + R, M, k]`` int16 (vLLM then needs prefix caching, its default,
+    and refuses pipeline or context parallelism).
     """
 
     engine_name = "vllm"
 
     def __init__(self, model: str | os.PathLike, *, in_process: bool = True,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, **engine_kwargs):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, record_routing: bool = False, **engine_kwargs):
         self._vllm = _import_vllm()
-        engine_kwargs = adapter_settings("VLLMEngine", engine_kwargs, _engine_settings())
-        super().__init__(model, bucket_bytes=bucket_bytes, engine_version=self._vllm.__version__)
+        engine_kwargs = adapter_settings("VLLMEngine", engine_kwargs, _engine_settings(record_routing))
+        super().__init__(model, bucket_bytes=bucket_bytes, engine_version=self._vllm.__version__,
+                         record_routing=record_routing)
         if in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when the LLM is built
         self.llm = _new_llm(self._vllm, str(self.model_path), engine_kwargs)
@@ -194,7 +219,7 @@ class VLLMEngine(EngineAdapter):
     # ------------------------------------------------------------------ engine calls: the vLLM 0.33 API above
 
     def _engine_generate(self, prompts: list[list[int]], params: list[SamplingParams],
-                         seeds: list[int | None]) -> list[tuple[list[int], list[float], bool]]:
+                         seeds: list[int | None]) -> list[EngineResponse]:
         return _vllm_generate(self.llm, prompts, [_vllm_sampling_params(self._vllm, p, seed)
                                                   for p, seed in zip(params, seeds)])
 

@@ -152,13 +152,9 @@ def _dense_mlp(prefix: str, hidden: int, intermediate: int, names=("gate_proj", 
 
 
 def _is_moe_layer(config: dict, index: int) -> bool:
-    if "n_routed_experts" in config:
-        return bool(config["n_routed_experts"]) and index >= config.get("first_k_dense_replace", 0) \
-            and index % config.get("moe_layer_freq", 1) == 0
-    num_experts = config.get("num_experts") or config.get("num_local_experts") or 0
-    if not num_experts or index in config.get("mlp_only_layers", ()):
-        return False
-    return (index + 1) % config.get("decoder_sparse_step", 1) == 0
+    from rlmega.rollout.engine_common import moe_layer_indices
+
+    return index in moe_layer_indices(config)
 
 
 def _mlp(config: dict, layer: str, index: int) -> Iterator[HFTensor]:

@@ -26,7 +26,7 @@ def _engine_node(_actor) -> tuple[str, str]:
 class RolloutGroup:
     """``rollout.num_engines`` engines of ``rollout.backend``, each in its own actor, placed by
     ``scheduling(i)`` (a Ray scheduling strategy for engine i); ``record_routing``: every generation
-    carries its MoE routing (hf engine)."""
+    carries its MoE routing (R3 routing replay)."""
 
     def __init__(self, config: RLConfig, scheduling, name: str = "rollout engine", record_routing: bool = False):
         import ray

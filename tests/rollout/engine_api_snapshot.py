@@ -5,7 +5,8 @@ releases the adapters pin, this script reads the pinned wheel's own source (it n
 wheels are CUDA-only) and records what the adapters depend on: the signatures of every engine method
 they call (via ``ast``), the fields of the request / output classes they build or read, the names of the
 environment switches they set or clear, a few module constants, the checkpoint config keys the engine's
-model code reads, and the wheel's own pins on torch and transformers. The fakes bind every call to the
+model code reads, the wheel's own pins on torch and transformers, and the format of the routed experts it
+returns (``ROUTED_EXPERTS``: dtype, encoding, which layers and which tokens). The fakes bind every call to the
 recorded signature (``fakes/api_snapshot.py``), so a dropped keyword, a renamed env switch or a changed
 field fails a CPU test.
 
@@ -91,6 +92,27 @@ MODEL_FILES = {
 }
 
 PINNED = ("torch", "transformers")
+
+# Where each release decides the format of the routed experts it returns: what -> (file, qualified function).
+ROUTED_EXPERTS = {
+    "vllm": {
+        # self.output_dtype_name = "uint8" if num_experts <= 256 else "uint16"
+        "dtype": ("vllm/model_executor/layers/fused_moe/routed_experts_capturer.py",
+                  "RoutedExpertsCapturer.__init__"),
+        # num_layers = model_config.get_total_num_hidden_layers()
+        "layers": ("vllm/model_executor/layers/fused_moe/routed_experts_capturer.py", "_get_routed_experts_shape"),
+        # token_end = request.num_tokens - 1
+        "rows_end": ("vllm/distributed/aux_output_connector/connector.py", "AuxOutputSchedulerConnector.take_output"),
+    },
+    "sglang": {
+        # np.frombuffer(pybase64.b64decode(...), dtype=np.int32)
+        "dtype": ("sglang/srt/state_capturer/routed_experts.py", "extract_routed_experts_from_meta_info"),
+        # num_layers = model_config.hf_text_config.num_hidden_layers; topk_size = ....num_experts_per_tok
+        "layers": ("sglang/srt/state_capturer/routed_experts.py", "RoutedExpertsCapturer.__init__"),
+        # req_to_token[req_pool_idx][start_len : seqlen - 1]
+        "rows_end": ("sglang/srt/state_capturer/base.py", "BaseTopkCapturer.get_topk"),
+    },
+}
 
 
 class Source:
@@ -192,6 +214,50 @@ def _requirements(source: Source, package: str) -> dict:
     return {"version": version, "requires_python": python[1].strip() if python else None, "requires": pins}
 
 
+def _assigned(function, name: str) -> ast.expr:
+    """The value assigned to ``name`` (a local or ``self.<name>``) in ``function``."""
+    for node in ast.walk(function):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if (isinstance(target, ast.Name) and target.id == name) or \
+                        (isinstance(target, ast.Attribute) and target.attr == name):
+                    return node.value
+    raise SystemExit(f"{function.name} assigns no {name}")
+
+
+def _minus_constant(node: ast.expr) -> int:
+    """``x - 1`` -> -1."""
+    if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub) and isinstance(node.right, ast.Constant)):
+        raise SystemExit(f"expected `<tokens> - <constant>`, found {ast.unparse(node)}")
+    return -node.right.value
+
+
+def routed_experts_format(package: str, source: Source) -> dict:
+    """What the release returns as routed experts, read from the functions ``ROUTED_EXPERTS`` names."""
+    def function(what):
+        file, qualified = ROUTED_EXPERTS[package][what]
+        node = _find(ast.parse(source.read(file)), qualified)
+        if node is None:
+            raise SystemExit(f"{qualified} is not in {file} of {source.path}")
+        return node
+
+    if package == "vllm":
+        choice = _assigned(function("dtype"), "output_dtype_name")  # IfExp: small if num_experts <= N else large
+        layers = _assigned(function("layers"), "num_layers")
+        return {"encoding": "numpy", "dtype_small": choice.body.value,
+                "max_experts_small": choice.test.comparators[0].value, "dtype_large": choice.orelse.value,
+                "layers_from": layers.func.attr,
+                "rows_end_offset": _minus_constant(_assigned(function("rows_end"), "token_end"))}
+    decode = function("dtype")
+    dtype = next(k.value.attr for n in ast.walk(decode) if isinstance(n, ast.Call)
+                 for k in n.keywords if k.arg == "dtype")
+    encoding = "base64" if "b64decode" in ast.unparse(decode) else "unknown"
+    init = function("layers")
+    uppers = [n.upper for n in ast.walk(function("rows_end")) if isinstance(n, ast.Slice) and n.upper is not None]
+    return {"encoding": encoding, "dtype": dtype, "layers_from": _assigned(init, "num_layers").attr,
+            "topk_from": _assigned(init, "topk_size").attr, "rows_end_offset": _minus_constant(uppers[0])}
+
+
 def snapshot(package: str, source: Source) -> dict:
     result = {"package": package, **_requirements(source, package), "signatures": {}, "fields": {},
               "constants": {}, "env": [], "rope_config_keys": {}}
@@ -223,6 +289,7 @@ def snapshot(package: str, source: Source) -> dict:
     for model, file in MODEL_FILES[package].items():
         text = source.read(file) or ""
         result["rope_config_keys"][model] = [key for key in ROPE_KEYS if key in text]
+    result["routed_experts"] = routed_experts_format(package, source)
     return result
 
 

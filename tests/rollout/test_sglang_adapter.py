@@ -6,6 +6,9 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import base64
+
+import numpy as np
 import pytest
 import torch
 
@@ -52,8 +55,9 @@ def test_server_arguments_and_sampling_params(make_engine, llama_dir):
                       "enable_weights_cpu_backup": True, "skip_tokenizer_init": True, "enable_memory_saver": True}
     engine.generate(PROMPTS[:2], [contract.GREEDY, contract.SamplingParams(top_k=5, n=2, seed=3, max_new_tokens=4,
                                                                            stop_token_ids=[2, 9])])
-    (_, input_ids, params, return_logprob, start), = _calls(engine, "generate")
+    (_, input_ids, params, return_logprob, start, routed), = _calls(engine, "generate")
     assert input_ids == [PROMPTS[0], PROMPTS[1], PROMPTS[1]] and return_logprob is True and start == -1
+    assert routed is False and "enable_return_routed_experts" not in kwargs  # record_routing=False asks nothing
     assert params[0] == {"n": 1, "temperature": 0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 8,
                          "stop_token_ids": [], "ignore_eos": True, "no_stop_trim": True}  # EOS (2) not a stop here
     assert {k: params[1][k] for k in ("top_k", "stop_token_ids", "ignore_eos")} == \
@@ -215,7 +219,93 @@ def test_the_abort_repeats_for_a_call_that_passed_the_pause_check(make_engine, l
     responses = engine._engine_generate(PROMPTS, [SamplingParams(max_new_tokens=40)] * len(PROMPTS),
                                         [None] * len(PROMPTS))  # the engine call of a generate past the check
     hook.remove()
-    assert [(len(tokens), aborted) for tokens, _, aborted in responses] == [(1, True)] + [(0, True)] * 3
+    assert [(len(r.tokens), r.aborted) for r in responses] == [(1, True)] + [(0, True)] * 3
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory):
+    return contract.save_deepseek_dense_first_layer(tmp_path_factory.mktemp("deepseek-v3-dense-first-layer"))
+
+
+@pytest.mark.parametrize("which", ["qwen3_moe_dirs", "deepseek_dir"])
+def test_routing_is_recorded_in_our_convention(make_engine, which, request):
+    """record_routing=True starts SGLang with enable_return_routed_experts and asks every request with
+    return_routed_experts; the base64 int32 [P + R - 1, layers, k] rows come back as [P + R, M, k] int16 in
+    the MoE layers (DeepSeek's dense first layer dropped)."""
+    path = request.getfixturevalue(which)
+    path = path[0] if isinstance(path, tuple) else path
+    engine = make_engine(path, record_routing=True)
+    assert _calls(engine, "__init__")[0][1]["enable_return_routed_experts"] is True
+    contract.check_routing(engine, path)
+    assert {call[5] for call in _calls(engine, "generate")} == {True}
+
+
+def test_routing_of_a_response_cut_after_its_stop_token(make_engine, qwen3_moe_dirs, tmp_path):
+    """A stop id that is not every EOS runs with ignore_eos to max_new_tokens; the adapter cuts the response
+    after its stop token and the routing with it."""
+    reference = contract.hf_engine(qwen3_moe_dirs[0])
+    stop, k = contract.stop_case(reference)
+    path = contract.with_eos(qwen3_moe_dirs[0], eos=(stop + 1) % 100, directory=tmp_path / "eos")
+    engine = make_engine(path, record_routing=True)
+    (generation,) = engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=8,
+                                                                stop_token_ids=[stop]))
+    assert _calls(engine, "generate")[0][2][0]["ignore_eos"] is True
+    assert generation.finish_reason == "stop" and len(generation.response_token_ids) == k + 1
+    tokens = PROMPTS[0] + generation.response_token_ids
+    assert generation.routing.shape[0] == len(tokens)
+    expected = contract.teacher_forced_routing(contract.load_reference(path), tokens)
+    assert torch.equal(generation.routing[:-1], expected[:-1]) and torch.equal(generation.routing[-1],
+                                                                                generation.routing[-2])
+
+
+def test_routing_conversion(make_engine, deepseek_dir, monkeypatch):
+    """A hand-built engine answer: int32 rows per decoder layer (layer 0 dense), base64 in meta_info."""
+    engine = make_engine(deepseek_dir, record_routing=True)
+    rows = np.arange(4 * 3 * 2, dtype=np.int32).reshape(4, 3, 2)  # P + R - 1 = 4 rows, 3 layers, top-2
+    monkeypatch.setattr(engine.engine.model, "routed_experts", lambda tokens: rows[:len(tokens)])
+    (generation,) = engine.generate([[5, 17]], SamplingParams(temperature=0, max_new_tokens=3))
+    expected = torch.tensor([[[2, 3], [4, 5]], [[8, 9], [10, 11]], [[14, 15], [16, 17]], [[20, 21], [22, 23]],
+                             [[20, 21], [22, 23]]], dtype=torch.int16)
+    assert torch.equal(generation.routing, expected)
+
+
+def test_without_record_routing_there_is_no_routing(make_engine, qwen3_moe_dirs):
+    engine = make_engine(qwen3_moe_dirs[0])
+    assert {g.routing for g in engine.generate(PROMPTS[:2], contract.GREEDY)} == {None}
+    assert {call[5] for call in _calls(engine, "generate")} == {False}
+
+
+def test_dense_models_cannot_record_routing(make_engine, sglang, llama_dir, monkeypatch):
+    monkeypatch.setattr(sglang, "Engine", lambda **kwargs: pytest.fail("the engine was built"))
+    with pytest.raises(ValueError, match="this model has no MoE layers"):
+        make_engine(llama_dir, record_routing=True)
+
+
+def test_responses_aborted_while_queued_have_no_routing(make_engine, qwen3_moe_dirs):
+    from rlmega.rollout.engine_common import EngineResponse
+
+    engine = make_engine(qwen3_moe_dirs[0], record_routing=True)
+    assert engine._routing(EngineResponse([], [], True, None), 3) is None
+    with pytest.raises(RuntimeError, match="sglang returned no routed experts for a finished response"):
+        engine._routing(EngineResponse([4], [-0.1], False, None), 4)
+
+
+def test_the_fake_returns_routing_as_the_release_does(sglang, qwen3_moe_dirs):
+    """Only with the server argument and the request's flag; base64 of int32 [seqlen - 1 - start, layers, k];
+    a routed_experts_start_len past the prompt aborts the request (Scheduler)."""
+    path = str(qwen3_moe_dirs[0])
+    params = [{"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}]
+    plain = sglang.Engine(model_path=path).generate(input_ids=[[1, 2, 3]], sampling_params=params,
+                                                   return_routed_experts=True)
+    assert "routed_experts" not in plain[0]["meta_info"]  # no capturer without enable_return_routed_experts
+    engine = sglang.Engine(model_path=path, enable_return_routed_experts=True)
+    (out,) = engine.generate(input_ids=[[1, 2, 3]], sampling_params=params, return_routed_experts=True,
+                             routed_experts_start_len=1)
+    rows = np.frombuffer(base64.b64decode(out["meta_info"]["routed_experts"]), dtype=np.int32)
+    assert rows.size == (3 + 3 - 1 - 1) * 2 * 2
+    (bad,) = engine.generate(input_ids=[[1, 2, 3]], sampling_params=params, return_routed_experts=True,
+                             routed_experts_start_len=4)
+    assert bad["meta_info"]["finish_reason"]["type"] == "abort"
 
 
 def test_version_gate(sglang, monkeypatch, llama_dir):

@@ -7,7 +7,9 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
+import torch
 
 from .fakes import contract, fake_vllm, one_thread
 from .tiny_models import PROMPTS, checkpoint_tensors
@@ -41,7 +43,8 @@ def test_engine_arguments_and_sampling_params(make_engine, llama_dir):
     assert model == str(llama_dir)
     assert kwargs == {"gpu_memory_utilization": 0.5, "skip_tokenizer_init": True, "logprobs_mode": "processed_logprobs",
                       "enable_sleep_mode": True, "weight_transfer_config": {"backend": "nccl"},
-                      "worker_extension_cls": "rlmega.rollout.vllm_engine.VLLMWorkerExtension"}
+                      "worker_extension_cls": "rlmega.rollout.vllm_engine.VLLMWorkerExtension",
+                      "enable_return_routed_experts": False}
     engine.generate(PROMPTS[:2], [contract.GREEDY, contract.SamplingParams(top_k=5, n=2, seed=3, max_new_tokens=4,
                                                                            stop_token_ids=[9])])
     (_, prompts, params), = [c for c in engine.llm.calls if c[0] == "generate"]
@@ -154,6 +157,76 @@ def test_pause_does_not_interrupt_a_running_call(make_engine, llama_dir, monkeyp
         contract.assert_same_generations(running.result(contract.WAIT_S),
                                          contract.hf_engine(llama_dir).generate(PROMPTS, contract.GREEDY))
     assert {g.finish_reason for g in engine.generate(PROMPTS, contract.GREEDY)} == {"abort"}
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory):
+    return contract.save_deepseek_dense_first_layer(tmp_path_factory.mktemp("deepseek-v3-dense-first-layer"))
+
+
+@pytest.mark.parametrize("which", ["qwen3_moe_dirs", "deepseek_dir"])
+def test_routing_is_recorded_in_our_convention(make_engine, which, request):
+    """record_routing=True builds vLLM with enable_return_routed_experts; its [P + R - 1, layers, k] uint8
+    rows come back as [P + R, M, k] int16 in the MoE layers (DeepSeek's dense first layer dropped)."""
+    path = request.getfixturevalue(which)
+    path = path[0] if isinstance(path, tuple) else path
+    engine = make_engine(path, record_routing=True)
+    assert engine.llm.calls[0][2]["enable_return_routed_experts"] is True
+    contract.check_routing(engine, path)
+    (_, _, params), *_ = [c for c in engine.llm.calls if c[0] == "generate"]
+    assert {p.routed_experts_prompt_start for p in params} == {0}  # every prompt row
+
+
+def test_routing_conversion(make_engine, qwen3_moe_dirs, monkeypatch):
+    """A hand-built engine answer: vLLM's rows per decoder layer, the last sampled token without a row."""
+    engine = make_engine(qwen3_moe_dirs[0], record_routing=True)
+    prompt, new = [5, 17, 33], 3
+    rows = np.arange(5 * 2 * 2, dtype=np.uint8).reshape(5, 2, 2)  # P + R - 1 = 5 rows, 2 layers, top-2
+    monkeypatch.setattr(engine.llm.model, "routed_experts", lambda tokens: rows.astype(np.int32)[:len(tokens)])
+    (generation,) = engine.generate([prompt], contract.SamplingParams(temperature=0, max_new_tokens=new))
+    expected = torch.tensor([[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9], [10, 11]], [[12, 13], [14, 15]],
+                             [[16, 17], [18, 19]], [[16, 17], [18, 19]]], dtype=torch.int16)
+    assert torch.equal(generation.routing, expected)
+
+
+def test_routing_conversion_of_engine_layouts():
+    """Dense layers dropped, uint16 ids (> 256 experts) kept, rows past a cut response dropped."""
+    from rlmega.rollout.engine_common import routing_in_convention
+
+    captured = np.array([[[300, 1], [0, 0], [7, 8]], [[2, 301], [0, 0], [9, 10]], [[3, 4], [0, 0], [11, 12]]],
+                        dtype=np.uint16)  # 3 rows (P + R - 1), layers 0 and 2 are MoE
+    assert torch.equal(routing_in_convention(captured, (0, 2), 4), torch.tensor(
+        [[[300, 1], [7, 8]], [[2, 301], [9, 10]], [[3, 4], [11, 12]], [[3, 4], [11, 12]]], dtype=torch.int16))
+    assert torch.equal(routing_in_convention(captured, (0, 2), 2), torch.tensor(
+        [[[300, 1], [7, 8]], [[300, 1], [7, 8]]], dtype=torch.int16))
+    with pytest.raises(RuntimeError, match=r"shape \(3, 3, 2\); expected \[>= 4"):
+        routing_in_convention(captured, (0, 2), 5)
+
+
+def test_without_record_routing_nothing_is_asked(make_engine, qwen3_moe_dirs):
+    engine = make_engine(qwen3_moe_dirs[0])
+    assert engine.llm.calls[0][2]["enable_return_routed_experts"] is False
+    assert {g.routing for g in engine.generate(PROMPTS[:2], contract.GREEDY)} == {None}
+
+
+def test_dense_models_cannot_record_routing(make_engine, vllm, llama_dir, monkeypatch):
+    monkeypatch.setattr(vllm, "LLM", lambda *args, **kwargs: pytest.fail("the engine was built"))
+    with pytest.raises(ValueError, match="this model has no MoE layers"):
+        make_engine(llama_dir, record_routing=True)
+
+
+def test_the_fake_refuses_routing_where_the_release_does(vllm, llama_dir, qwen3_moe_dirs):
+    """vllm/config/vllm.py: _verify_aux_output_compatibility; input_processor.py: routed_experts_prompt_start."""
+    with pytest.raises(ValueError, match="only supports MoE models"):
+        vllm.LLM(str(llama_dir), enable_return_routed_experts=True)
+    with pytest.raises(ValueError, match="requires prefix caching"):
+        vllm.LLM(str(qwen3_moe_dirs[0]), enable_return_routed_experts=True, enable_prefix_caching=False)
+    llm = vllm.LLM(str(qwen3_moe_dirs[0]), enable_return_routed_experts=True)
+    with pytest.raises(ValueError, match="routed_experts_prompt_start must be between 0 and the prompt length"):
+        llm.generate([{"prompt_token_ids": [1, 2]}], vllm.SamplingParams(routed_experts_prompt_start=3))
+    (output,) = llm.generate([{"prompt_token_ids": [1, 2, 3]}], vllm.SamplingParams(max_tokens=2, temperature=0))
+    routed = output.outputs[0].routed_experts  # [P + R - 1, num_hidden_layers, k], uint8 (4 experts)
+    assert routed.dtype == np.uint8 and routed.shape == (3 + 2 - 1, 2, 2)
 
 
 def test_version_gate(vllm, monkeypatch, llama_dir):

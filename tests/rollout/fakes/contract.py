@@ -260,3 +260,67 @@ def check_broadcast_update(engine, llama_other_dir: Path) -> None:
     assert engine.weight_version() == 1
     other = hf_engine(llama_other_dir)
     assert_same_generations(engine.generate(PROMPTS, GREEDY), other.generate(PROMPTS, GREEDY))
+
+
+# ---------------------------------------------------------------------------------------------- MoE routing (R3)
+
+def save_deepseek_dense_first_layer(directory: Path, seed: int = 0) -> Path:
+    """A tiny DeepSeek-V3 whose first layer is dense (``first_k_dense_replace=1``): MoE layers 1 and 2 of 3,
+    so the engines' per-decoder-layer routing has a column to drop."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    from ..tiny_models import VOCAB
+
+    torch.manual_seed(seed)
+    config = DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, n_shared_experts=1, max_position_embeddings=128, num_nextn_predict_layers=0)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if name.endswith("e_score_correction_bias"):
+                tensor.copy_(0.2 * torch.randn_like(tensor))
+            elif tensor.dim() == 1:
+                tensor.copy_(1.0 + 0.1 * torch.randn_like(tensor))
+            else:
+                tensor.normal_(0.0, 0.15)
+    model.save_pretrained(directory)
+    return directory
+
+
+@torch.no_grad()
+def teacher_forced_routing(model, tokens: list[int]) -> torch.Tensor:
+    """``[T, M, k]`` int16: one forward pass of ``tokens``, the MoE gates' expert ids in layer order."""
+    seen = []
+    gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    handles = [gate.register_forward_hook(lambda module, inputs, output: seen.append(output[2])) for gate in gates]
+    try:
+        model(torch.tensor([tokens]))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return torch.stack(seen, dim=1).to(torch.int16)
+
+
+def check_routing(engine, path: Path) -> None:
+    """Every generation's routing is ``[P + R, M, k]`` int16: the routing of one pass over prompt + response
+    in the MoE layers (the last token repeating the one before), and, greedy, the hf engine's exactly."""
+    reference = load_reference(path)
+    num_moe = sum(hasattr(layer.mlp, "experts") for layer in reference.model.layers)
+    sampled = SamplingParams(temperature=1.0, n=2, seed=5, max_new_tokens=6)
+    for params in (GREEDY, sampled):
+        generations = engine.generate(PROMPTS, params)
+        for generation in generations:
+            tokens = PROMPTS[generation.prompt_index] + generation.response_token_ids
+            routing = generation.routing
+            assert routing.dtype == torch.int16
+            assert tuple(routing.shape) == (len(tokens), num_moe, reference.config.num_experts_per_tok)
+            assert torch.equal(routing[:-1], teacher_forced_routing(reference, tokens)[:-1])
+            assert torch.equal(routing[-1], routing[-2])
+    hf = HFEngine(path, attn_implementation="eager", record_routing=True).generate(PROMPTS, GREEDY)
+    for actual, expected in zip(engine.generate(PROMPTS, GREEDY), hf):
+        assert actual.response_token_ids == expected.response_token_ids
+        assert torch.equal(actual.routing, expected.routing)

@@ -13,7 +13,12 @@ a ``begin_weight_update`` / ``end_weight_update`` session
 (sglang/srt/managers/scheduler_components/weight_updater.py) and return ``(success, message)``; a
 distributed update for a group that was never joined fails (``receive_weights_from_distributed`` asserts);
 release/resume of the "weights" and "kv_cache" tags, which free nothing without ``enable_memory_saver``
-and keep the weights only with ``enable_weights_cpu_backup``. Calls are recorded in ``calls``.
+and keep the weights only with ``enable_weights_cpu_backup``. Routed experts, in the format recorded from the
+wheel (``API["routed_experts"]``): a request with ``return_routed_experts`` on an engine started with
+``enable_return_routed_experts`` gets ``meta_info["routed_experts"]``, base64 of int32
+``[seqlen - 1 - routed_experts_start_len, num_hidden_layers, num_experts_per_tok]`` (each MoE layer at its
+layer id, zeros elsewhere); without the server argument, nothing (no capturer); a request aborted while
+queued gets nothing; a bad ``routed_experts_start_len`` aborts the request. Calls are recorded in ``calls``.
 
 Threads and aborts, as in 0.5.23: the ``Engine`` binds the event loop of the thread that builds it
 (``Engine._ensure_event_loop``) and every method runs ``self.loop.run_until_complete``; a second thread
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import asyncio
+import base64
 import itertools
 import json
 import os
@@ -119,27 +125,44 @@ class Engine:
 
     @checked("Engine.generate")
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                 logprob_start_len=None, **_):
+                 logprob_start_len=None, return_routed_experts=False, routed_experts_start_len=0, **_):
         if self._released:
             raise RuntimeError("generate called while memory is released")
         for params in sampling_params:
             api_snapshot.check_fields(API, "SamplingParams", params)
-        self.calls.append(("generate", input_ids, sampling_params, return_logprob, logprob_start_len))
-        return self._run(self._in_scheduler(self.loop, input_ids, sampling_params, return_logprob))
+        self.calls.append(("generate", input_ids, sampling_params, return_logprob, logprob_start_len,
+                           return_routed_experts))
+        # RoutedExpertsCapturer.create: no capturer unless the server argument is set.
+        routing_start = routed_experts_start_len if (
+            return_routed_experts and self.server_args.get("enable_return_routed_experts")) else None
+        return self._run(self._in_scheduler(self.loop, input_ids, sampling_params, return_logprob, routing_start))
 
-    async def _in_scheduler(self, loop, input_ids, sampling_params, return_logprob):
+    async def _in_scheduler(self, loop, input_ids, sampling_params, return_logprob, routing_start):
         requests = [(str(next(self._rids)), ids, params, threading.Event())
                     for ids, params in zip(input_ids, sampling_params)]
         self.tokenizer_manager.rid_to_state.update({rid: to_abort for rid, _, _, to_abort in requests})
         try:
-            return await loop.run_in_executor(None, self._decode, requests, return_logprob)
+            return await loop.run_in_executor(None, self._decode, requests, return_logprob, routing_start)
         finally:
             for rid, _, _, _ in requests:
                 del self.tokenizer_manager.rid_to_state[rid]
 
-    def _decode(self, requests, return_logprob):
+    def _routed_experts(self, ids: list[int], tokens: list[int], start: int) -> str:
+        """_maybe_collect_routed_experts -> BaseTopkCapturer.get_topk (rows [start, seqlen - 1)), sent
+        base64-encoded (TokenizerManager, skip_tokenizer_init)."""
+        form = API["routed_experts"]
+        sequence = ids + tokens
+        rows = self.model.routed_experts(sequence[:len(sequence) + form["rows_end_offset"]])[start:]
+        return base64.b64encode(rows.astype(form["dtype"]).tobytes()).decode("utf-8")
+
+    def _decode(self, requests, return_logprob, routing_start=None):
         outputs = []
         for rid, ids, params, to_abort in requests:
+            if routing_start is not None and not 0 <= routing_start <= len(ids):  # Scheduler: aborted at once
+                outputs.append({"text": "", "meta_info": {
+                    "id": rid, "finish_reason": {"type": "abort", "message": f"{routing_start=} is out of range"},
+                    "prompt_tokens": 0, "completion_tokens": 0}})
+                continue
             if to_abort.is_set():  # still queued: popped from the waiting queue
                 outputs.append({"text": "", "meta_info": {
                     "id": rid, "finish_reason": {"type": "abort", "message": "Abort before prefill"},
@@ -163,6 +186,8 @@ class Engine:
                         "completion_tokens": len(tokens), "cached_tokens": 0}
                 if return_logprob:
                     meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(logprobs, tokens)]
+                if routing_start is not None:
+                    meta["routed_experts"] = self._routed_experts(ids, tokens, routing_start)
                 outputs.append({"output_ids": tokens, "meta_info": meta})
         return outputs
 

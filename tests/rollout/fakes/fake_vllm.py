@@ -10,7 +10,11 @@ vllm/outputs.py, ``Logprob`` from vllm/logprobs.py. Behaviour the adapter relies
 ``n > 1`` with greedy is refused, children of an ``n > 1`` request get ``seed + index``, the
 generation_config's EOS stops unless ``ignore_eos``, the length limit is tested before stop tokens,
 ``logprobs_mode`` picks raw or processed log-probs, ``sleep`` needs ``enable_sleep_mode``, and weights
-slept through cannot be written until ``wake_up(tags=["weights"])``. Every call is recorded in ``calls``.
+slept through cannot be written until ``wake_up(tags=["weights"])``. ``enable_return_routed_experts`` is
+refused where vllm/config/vllm.py refuses it (a dense model, prefix caching off, PP > 1) and fills every
+``CompletionOutput.routed_experts`` in the format recorded from the wheel (``API["routed_experts"]``): numpy
+``[P + R - 1, num_hidden_layers, k]``, each MoE layer at its decoder-layer index, uint8 up to 256 experts
+(else uint16), from ``SamplingParams.routed_experts_prompt_start``. Every call is recorded in ``calls``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import numpy as np
 import torch
 
 from . import api_snapshot
@@ -50,6 +55,7 @@ class CompletionOutput:  # vllm/outputs.py
     token_ids: list[int]
     cumulative_logprob: Optional[float]
     logprobs: Optional[list[dict[int, Logprob]]]
+    routed_experts: Optional[np.ndarray] = None  # [seq_len, layer_num, topk]
     finish_reason: Optional[str] = None
     stop_reason: Union[int, str, None] = None
 
@@ -87,6 +93,7 @@ class SamplingParams:  # vllm/sampling_params.py: the fields, defaults and check
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     extra_args: Optional[dict[str, Any]] = None
+    routed_experts_prompt_start: int = 0
 
     def __post_init__(self) -> None:
         if 0 < self.temperature < _MAX_TEMP:
@@ -129,17 +136,27 @@ class LLM:
     @checked("LLM.__init__")
     def __init__(self, model: str, *, tokenizer: Optional[str] = None, skip_tokenizer_init: bool = False,
                  tensor_parallel_size: int = 1, dtype: str = "auto", seed: Optional[int] = None,
-                 gpu_memory_utilization: float = 0.92, enforce_eager: bool = False, **kwargs: Any) -> None:
+                 gpu_memory_utilization: float = 0.92, enforce_eager: bool = False,
+                 enable_return_routed_experts: bool = False, **kwargs: Any) -> None:
         api_snapshot.check_fields(API, "EngineArgs", kwargs)  # the rest go to EngineArgs
         if kwargs.get("logprobs_mode", "raw_logprobs") not in API["constants"]["LogprobsMode"]:
             raise ValueError(f"logprobs_mode {kwargs['logprobs_mode']!r} not in {API['constants']['LogprobsMode']}")
         if kwargs.get("weight_transfer_config") is not None:
             api_snapshot.check_fields(API, "WeightTransferConfig", kwargs["weight_transfer_config"])
-        self.calls: list[tuple] = [("__init__", model, dict(kwargs, skip_tokenizer_init=skip_tokenizer_init,
-                                                             gpu_memory_utilization=gpu_memory_utilization))]
+        self.calls: list[tuple] = [("__init__", model, dict(
+            kwargs, skip_tokenizer_init=skip_tokenizer_init, gpu_memory_utilization=gpu_memory_utilization,
+            enable_return_routed_experts=enable_return_routed_experts))]
         self.engine_args = dict(kwargs, skip_tokenizer_init=skip_tokenizer_init,
                                 tensor_parallel_size=tensor_parallel_size)
         self.model = TinyCausalLM(model)
+        self.return_routed_experts = enable_return_routed_experts
+        if enable_return_routed_experts:  # vllm/config/vllm.py: _verify_aux_output_compatibility
+            if not self.model.num_experts:
+                raise ValueError("AuxOutput Connector only supports MoE models.")
+            if kwargs.get("enable_prefix_caching") is False:
+                raise ValueError("AuxOutput Connector requires prefix caching.")
+            if kwargs.get("pipeline_parallel_size", 1) > 1:
+                raise ValueError("--enable-return-routed-experts is incompatible with pipeline parallelism (PP > 1).")
         generation_config = Path(model) / "generation_config.json"
         eos = json.loads(generation_config.read_text()).get("eos_token_id") if generation_config.exists() else None
         self._generation_eos = set([eos] if isinstance(eos, int) else eos or [])
@@ -164,6 +181,9 @@ class LLM:
         logprobs_of = "processed" if self.engine_args.get("logprobs_mode", "raw_logprobs") == "processed_logprobs" else "raw"
         results = []
         for request_id, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+            if not 0 <= params.routed_experts_prompt_start <= len(prompt["prompt_token_ids"]):
+                raise ValueError("routed_experts_prompt_start must be between 0 and the prompt length "
+                                 f"({len(prompt['prompt_token_ids'])}), inclusive.")
             stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self._generation_eos)
             completions = []
             for index in range(params.n):  # vllm/v1/engine/parallel_sampling.py: child seeds are seed + index
@@ -175,9 +195,20 @@ class LLM:
                 completions.append(CompletionOutput(
                     index=index, text="", token_ids=tokens, cumulative_logprob=sum(logprobs),
                     logprobs=[{t: Logprob(lp, rank=None)} for t, lp in zip(tokens, logprobs)],
+                    routed_experts=self._routed_experts(prompt["prompt_token_ids"], tokens, params),
                     finish_reason=reason, stop_reason=tokens[-1] if reason == "stop" else None))
             results.append(RequestOutput(str(request_id), None, prompt["prompt_token_ids"], None, completions, True))
         return results
+
+    def _routed_experts(self, prompt: list[int], tokens: list[int], params: SamplingParams) -> Optional[np.ndarray]:
+        """AuxOutputSchedulerConnector.take_output: rows [routed_experts_prompt_start, num_tokens - 1)."""
+        if not self.return_routed_experts:
+            return None
+        form = API["routed_experts"]
+        sequence = prompt + tokens
+        rows = self.model.routed_experts(sequence[:len(sequence) + form["rows_end_offset"]])
+        small = self.model.num_experts <= form["max_experts_small"]
+        return rows[params.routed_experts_prompt_start:].astype(form["dtype_small" if small else "dtype_large"])
 
     def _check_weight_transfer(self) -> None:  # vllm/v1/worker/gpu_worker.py: _check_weight_transfer_engine
         if self.engine_args.get("weight_transfer_config") is None:

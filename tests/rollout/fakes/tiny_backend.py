@@ -3,7 +3,7 @@
 It reproduces the engine behaviour the adapters depend on, which each fake configures: which tokens
 stop a request, that the length limit is tested before the stop tokens (and an abort before both), and
 which distribution the returned log-probs are taken from. Greedy picks the argmax (lowest id on ties),
-like both engines.
+like both engines. ``routed_experts`` is what both engines' capturers hold for a sequence.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -39,6 +40,31 @@ class TinyCausalLM:
 
     def parameters(self) -> list[torch.Tensor]:
         return list(self.weight_map.tensors.values())
+
+    @property
+    def num_experts(self) -> int:
+        config = self.model.config
+        return getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+
+    @torch.no_grad()
+    def routed_experts(self, tokens: list[int]) -> np.ndarray:
+        """``[len(tokens), num_hidden_layers, num_experts_per_tok]`` int32, as both engines' capture buffers
+        hold it: each MoE layer's top-k ids at its decoder-layer index, zeros in a dense layer's column
+        (never written). Read by hooks on the gates of one pass over ``tokens``."""
+        config = self.model.config
+        captured = np.zeros((len(tokens), config.num_hidden_layers, config.num_experts_per_tok), dtype=np.int32)
+        handles = []
+        for index, layer in enumerate(self.model.model.layers):
+            if hasattr(layer.mlp, "experts"):
+                def hook(module, inputs, output, index=index):
+                    captured[:, index] = output[2].numpy()  # (router logits, weights, expert ids)
+                handles.append(layer.mlp.gate.register_forward_hook(hook))
+        try:
+            self.model(torch.tensor([tokens]))
+        finally:
+            for handle in handles:
+                handle.remove()
+        return captured
 
     @torch.no_grad()
     def decode(self, prompt: list[int], *, max_tokens: int, stop_ids: set[int], temperature: float, top_k: int,
