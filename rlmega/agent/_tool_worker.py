@@ -3,9 +3,9 @@
 
 It dies with the pool's process, limits its own address space (children inherit the limit), loads every tool,
 answers ``("ready",)``, then reads tasks from TASK_FD: ``(task_id, "describe")`` gives the tools' schemas,
-``(task_id, "call", name, arguments)`` runs a tool; answers on RESULT_FD are ``(task_id, "value", value)`` or
-``(task_id, "error", message)``. The pool (``rlmega.rewards.pool``) kills it, with whatever it started, when a call
-overruns.
+``(task_id, "call", name, arguments, context)`` runs a tool (``context`` goes to a tool that declares it);
+answers on RESULT_FD are ``(task_id, "value", value)`` or ``(task_id, "error", message)``. The pool
+(``rlmega.rewards.pool``) kills it, with whatever it started, when a call overruns.
 """
 
 from __future__ import annotations
@@ -29,19 +29,22 @@ def main(argv: list[str]) -> int:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         from rlmega.agent.builtin import BUILTIN_TOOLS
         from rlmega.agent.functions import load_callable
-        from rlmega.agent.tools import ToolError, as_output, schema_of
+        from rlmega.agent.tools import CONTEXT, ToolError, as_output, schema_of, takes_context
 
         functions = [BUILTIN_TOOLS[spec] if spec in BUILTIN_TOOLS else load_callable(spec)
                      for spec in settings["tools"]]
         schemas = [schema_of(function) for function in functions]
         by_name = {schema["function"]["name"]: function for schema, function in zip(schemas, functions)}
+        with_context = {name for name, function in by_name.items() if takes_context(function)}
     except BaseException:
         results.send(("failed", traceback.format_exc(limit=-4)))
         return 1
     def answer(kind, *payload) -> tuple:
         if kind == "describe":
             return "value", schemas
-        name, arguments = payload
+        name, arguments, context = payload
+        if name in with_context:
+            arguments = {**arguments, CONTEXT: context}
         try:
             return "value", as_output(by_name[name](**arguments))
         except ToolError as error:

@@ -55,11 +55,18 @@ class Trajectory(Generation):
     """The conversation as chat messages (for logs; the tokens are the truth)."""
     num_turns: int = 0
     num_tool_calls: int = 0
+    tool_calls_by_name: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Calls per tool of the run (every tool listed, 0 when not called)."""
+    num_invalid_tool_calls: int = 0
+    """Calls that could not be read or name no tool of the run (also counted in ``num_tool_errors``)."""
     num_tool_errors: int = 0
     num_tool_timeouts: int = 0
     num_parser_failures: int = 0
     num_env_errors: int = 0
     env_reward: float = 0.0
+    turn_rewards: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    """The environment's reward of each step, with the response position of the last policy token of the turn it
+    answered: ``(position, reward)``; their sum is ``env_reward`` unless a step came before any policy token."""
     stop_reason: str = ""
     """Why it ended: one of ``STOP_REASONS``."""
 
@@ -68,6 +75,8 @@ class Trajectory(Generation):
 class _Live:
     trajectory: Trajectory
     environment: Optional[Environment]
+    tools_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The row's ``extra_info.tools_kwargs``: tool name -> what that tool's ``context`` receives."""
     done: bool = False
 
     def finish(self, reason: str, *, cut: bool = False) -> None:
@@ -79,6 +88,18 @@ class _Live:
         trajectory.response_token_ids.extend(tokens)
         trajectory.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(tokens))
         trajectory.loss_mask.extend([1 if logprobs is not None else 0] * len(tokens))
+
+
+def _last_policy_token(loss_mask: Sequence[int]) -> Optional[int]:
+    return next((position for position in range(len(loss_mask) - 1, -1, -1) if loss_mask[position]), None)
+
+
+def turn_reward_tokens(trajectory: Trajectory) -> list[float]:
+    """``[R]`` the environment's per-turn rewards at their turns' last policy tokens, 0 elsewhere."""
+    rewards = [0.0] * len(trajectory.response_token_ids)
+    for position, reward in trajectory.turn_rewards:
+        rewards[position] += reward
+    return rewards
 
 
 def _turn_seed(seed: Optional[int], turn: int) -> Optional[int]:
@@ -107,6 +128,7 @@ class AgentLoop:
         self.environment_factory = environment_factory
         self.chat = ChatTokens(tokenizer, tools=self.tools.schemas, stop_token_ids=self.stop_token_ids,
                                chat_template_kwargs=chat_template_kwargs)
+        self.tool_names = [schema["function"]["name"] for schema in self.tools.schemas]
 
     def run(self, generator: Generator, records: Sequence, params: SamplingParams) -> list[Trajectory]:
         """``params.n`` trajectories per record, prompt-major (as ``generate`` orders responses)."""
@@ -136,18 +158,20 @@ class AgentLoop:
     def _start(self, index: int, record) -> _Live:
         environment = self.environment_factory() if self.environment_factory is not None else None
         trajectory = Trajectory(prompt_index=index, response_token_ids=[], logprobs=[], finish_reason="stop",
-                                weight_version=-1)
+                                weight_version=-1, tool_calls_by_name=dict.fromkeys(self.tool_names, 0))
         messages = [dict(message) for message in record.messages]
+        extra_info = record.extra_info or {}
         if environment is not None:
             example = {"messages": messages, "data_source": record.data_source, "ground_truth": record.ground_truth,
-                       "extra_info": record.extra_info, "index": record.index}
+                       "extra_info": extra_info, "index": record.index,
+                       "interaction_kwargs": dict(extra_info.get("interaction_kwargs") or {})}
             try:
                 messages = as_messages(environment.reset(example)) or messages
             except Exception:  # a broken environment must not stop the run: counted, the dataset prompt is used
                 trajectory.num_env_errors += 1
         trajectory.messages = messages
         trajectory.prompt_token_ids = self.chat.prompt_ids(messages)
-        return _Live(trajectory, environment)
+        return _Live(trajectory, environment, dict(extra_info.get("tools_kwargs") or {}))
 
     def _take_turn(self, state: _Live, generation: Generation) -> list[ToolCall]:
         """Append the policy's turn; its tool calls if they are to run (else the state may be finished)."""
@@ -183,6 +207,9 @@ class AgentLoop:
         return calls
 
     def _run_tools(self, calling: list[tuple[_Live, list[ToolCall]]]) -> None:
+        for state, calls in calling:
+            for call in calls:
+                call.context = dict(state.tools_kwargs.get(call.name) or {})
         results = iter(self.tools.run([call for _, calls in calling for call in calls]))
         for state, calls in calling:
             trajectory = state.trajectory
@@ -190,6 +217,10 @@ class AgentLoop:
             for call in calls:
                 result = next(results)
                 trajectory.num_tool_calls += 1
+                if call.error is None and call.name in trajectory.tool_calls_by_name:
+                    trajectory.tool_calls_by_name[call.name] += 1
+                else:
+                    trajectory.num_invalid_tool_calls += 1
                 trajectory.num_tool_errors += result.status == "error"
                 trajectory.num_tool_timeouts += result.status == "timeout"
                 messages.append({"role": "tool", "name": call.name, "content": result.output})
@@ -200,6 +231,9 @@ class AgentLoop:
         try:
             observation, reward, done = state.environment.step([dict(m) for m in trajectory.messages])
             trajectory.env_reward += float(reward)
+            last_policy_token = _last_policy_token(trajectory.loss_mask)
+            if last_policy_token is not None:
+                trajectory.turn_rewards.append((last_policy_token, float(reward)))
             messages = as_messages(observation)
         except Exception:  # counted; the trajectory ends here
             trajectory.num_env_errors += 1
@@ -233,15 +267,17 @@ def episode_info(trajectory: Trajectory) -> dict[str, Any]:
     return {"final_answer": answers[-1] if answers else "", "messages": trajectory.messages,
             "num_turns": trajectory.num_turns, "num_tool_calls": trajectory.num_tool_calls,
             "num_tool_errors": trajectory.num_tool_errors + trajectory.num_tool_timeouts,
-            "env_reward": trajectory.env_reward, "stop_reason": trajectory.stop_reason}
+            "env_reward": trajectory.env_reward, "turn_rewards": list(trajectory.turn_rewards),
+            "stop_reason": trajectory.stop_reason}
 
 
 def agent_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """``agent/...`` metrics of a step's trajectories: turns, tool calls, errors, timeouts, masked tokens, why
-    they ended."""
+    """``agent/...`` metrics of a step's trajectories: turns, tool calls (per tool), errors, timeouts (counts and
+    rates per call), policy and masked tokens, why they ended."""
     count = max(len(trajectories), 1)
     tokens = sum(len(t.loss_mask) for t in trajectories)
     masked = sum(len(t.loss_mask) - sum(t.loss_mask) for t in trajectories)
+    num_calls = sum(t.num_tool_calls for t in trajectories)
     metrics = {
         "agent/turns_mean": sum(t.num_turns for t in trajectories) / count,
         "agent/turns_max": float(max((t.num_turns for t in trajectories), default=0)),
@@ -249,12 +285,19 @@ def agent_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "agent/tool_calls": float(sum(t.num_tool_calls for t in trajectories)),
         "agent/tool_errors": float(sum(t.num_tool_errors for t in trajectories)),
         "agent/tool_timeouts": float(sum(t.num_tool_timeouts for t in trajectories)),
+        "agent/tool_error_rate": sum(t.num_tool_errors for t in trajectories) / max(num_calls, 1),
+        "agent/tool_timeout_rate": sum(t.num_tool_timeouts for t in trajectories) / max(num_calls, 1),
+        "agent/tool_calls_invalid": float(sum(t.num_invalid_tool_calls for t in trajectories)),
         "agent/parser_failures": float(sum(t.num_parser_failures for t in trajectories)),
         "agent/env_errors": float(sum(t.num_env_errors for t in trajectories)),
         "agent/env_reward_mean": sum(t.env_reward for t in trajectories) / count,
+        "agent/policy_tokens_mean": (tokens - masked) / count,
+        "agent/masked_tokens_mean": masked / count,
         "agent/masked_tokens": float(masked),
         "agent/masked_token_fraction": masked / max(tokens, 1),
     }
+    for name in sorted({name for t in trajectories for name in t.tool_calls_by_name}):
+        metrics[f"agent/tool_calls/{name}"] = float(sum(t.tool_calls_by_name.get(name, 0) for t in trajectories))
     for reason in STOP_REASONS:
         metrics[f"agent/stop/{reason}"] = sum(t.stop_reason == reason for t in trajectories) / count
     return metrics

@@ -31,6 +31,9 @@ class ToolCall:
     arguments: dict[str, Any] = dataclasses.field(default_factory=dict)
     error: Optional[str] = None
     """Why the call could not be read (it is then not run); None for a well-formed call."""
+    context: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The row's ``extra_info.tools_kwargs`` entry for this tool (set by the loop, not by parsers): what a tool
+    that declares a ``context`` parameter receives there."""
 
 
 def hermes_parser(text: str) -> list[ToolCall]:

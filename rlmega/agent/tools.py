@@ -6,6 +6,10 @@ it, one read from the signature (annotations ``str``, ``int``, ``float``, ``bool
 without a default are required) and the docstring's first paragraph. It returns a string (anything else is
 shown as JSON, or ``str`` of it) or raises: ``ToolError("...")`` tells the model what went wrong in its own
 words; any other exception is shown as ``TypeName: message``. Either way the run goes on.
+
+A tool that declares a parameter named ``context`` receives there the dataset row's ``extra_info.tools_kwargs``
+entry for the tool (verl's schema, e.g. ``{"create_kwargs": {"ground_truth": "72"}}``; ``{}`` when the row has
+none), whatever the model's arguments say; ``context`` is not part of the schema the model sees.
 """
 
 from __future__ import annotations
@@ -19,6 +23,19 @@ from rlmega.agent.parsers import ToolCall
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 _JSON_NAMES = {python_type.__name__: json_type for python_type, json_type in _JSON_TYPES.items()}
+
+
+CONTEXT = "context"
+"""The parameter through which a tool receives its row's ``tools_kwargs`` entry (never the model's)."""
+
+
+def takes_context(function: Callable) -> bool:
+    """Whether the tool declares the ``context`` parameter."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+    return CONTEXT in parameters
 
 
 class ToolError(Exception):
@@ -47,7 +64,7 @@ def schema_of(function: Callable) -> dict:
         return schema
     properties, required = {}, []
     for parameter in inspect.signature(function).parameters.values():
-        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD) or parameter.name == CONTEXT:
             continue
         annotation = parameter.annotation
         json_type = _JSON_TYPES.get(annotation) or _JSON_NAMES.get(str(annotation))
@@ -117,7 +134,7 @@ class ToolBox:
                 results[position] = ToolResult(f"Error: there is no tool named {call.name!r} (tools: {available})",
                                                "error")
             else:
-                tasks.append(("call", call.name, call.arguments))
+                tasks.append(("call", call.name, call.arguments, call.context))
                 positions.append(position)
         for position, outcome in zip(positions, self._pool.run(tasks) if tasks else []):
             if outcome.status == "ok":

@@ -5,7 +5,10 @@ A row is a mapping with:
 - ``prompt``: a list of chat messages ``[{"role": "user", "content": "..."}]``, or a plain string;
 - ``data_source``: a string naming the task; it picks the reward scorer;
 - ``reward_model``: a mapping with ``ground_truth`` (any JSON-like value) and optionally ``style``;
-- ``extra_info``: an optional mapping (e.g. ``{"index": 3, "split": "train"}``), passed to the scorer.
+- ``extra_info``: an optional mapping (e.g. ``{"index": 3, "split": "train"}``), passed to the scorer. verl's
+  multi-turn keys are read as they are: ``tools_kwargs`` (tool name -> that tool's kwargs, e.g.
+  ``{"create_kwargs": {...}, "execute_kwargs": {...}}``, given to the tool's ``context`` argument) and
+  ``interaction_kwargs`` (a mapping given to the environment's ``reset``); see rlmega/agent/README.md.
 
 Other columns are ignored.
 """
@@ -118,6 +121,15 @@ def parse_row(row: Any, source_file: str, source_row: int, prompt_key: str = "pr
         extra_info = {}
     if not isinstance(extra_info, Mapping):
         raise DataFormatError(f"{where}: field 'extra_info' must be a mapping, got {type(extra_info).__name__}")
+    tools_kwargs = extra_info.get("tools_kwargs")
+    if tools_kwargs is not None and not (isinstance(tools_kwargs, Mapping)
+                                         and all(v is None or isinstance(v, Mapping) for v in tools_kwargs.values())):
+        raise DataFormatError(f"{where}: field 'extra_info.tools_kwargs' must map each tool name to a mapping of its "
+                              f"kwargs, got {tools_kwargs!r:.80}")
+    interaction_kwargs = extra_info.get("interaction_kwargs")
+    if interaction_kwargs is not None and not isinstance(interaction_kwargs, Mapping):
+        raise DataFormatError(f"{where}: field 'extra_info.interaction_kwargs' must be a mapping, "
+                              f"got {type(interaction_kwargs).__name__}")
     return ParsedRow(
         messages=messages,
         data_source=data_source,

@@ -117,8 +117,9 @@ class Trainer:
             metrics.update(correction_metrics)
         advantages, returns, advantage_metrics = compute_advantages(
             config.algorithm, rollouts.scores, batch.response_lengths, rollouts.group_ids,
-            kl_estimator=config.actor.policy_loss.kl_estimator, old_logp=old_logp, ref_logp=ref_logp, values=values,
-            baseline_scores=rollouts.baseline_scores,
+            response_mask=rollouts.response_mask, kl_estimator=config.actor.policy_loss.kl_estimator,
+            old_logp=old_logp, ref_logp=ref_logp, values=values, baseline_scores=rollouts.baseline_scores,
+            turn_rewards=rollouts.turn_rewards,
         )
         metrics.update(advantage_metrics)
         if self.critic is not None:

@@ -53,6 +53,9 @@ class Rollouts:
     baseline_scores: Optional[torch.Tensor]
     """``[B]`` the score of the greedy response to the same prompt (ReMax), else None."""
     metrics: dict[str, float]
+    turn_rewards: Optional[list[torch.Tensor]] = None
+    """``[R_i]`` an agent environment's per-turn rewards at their turns' last policy tokens (parts of
+    ``scores``, placed there by the advantage estimators); None without turn rewards."""
 
 
 @dataclasses.dataclass
@@ -251,12 +254,19 @@ class PromptSource:
         routing = [generation.routing for group in kept for generation in group.generations]
         routing = routing if routing and all(r is not None and r.shape[0] == t.numel()
                                              for r, t in zip(routing, tokens)) else None
+        turn_rewards = None
+        if self.agent is not None and any(getattr(g, "turn_rewards", None) for group in kept for g in group.generations):
+            from rlmega.agent.loop import turn_reward_tokens
+
+            turn_rewards = [torch.tensor(turn_reward_tokens(g), dtype=torch.float32)
+                            for group in kept for g in group.generations]
         return Rollouts(
             batch=SequenceBatch(tokens, prompts, temperature=self.config.rollout.temperature, routing=routing),
             scores=torch.tensor(scores), group_ids=group_ids, rollout_logp=logps, weight_versions=versions,
             token_versions=token_versions, prompt_indices=[group.record.index for group in kept],
             response_mask=masks if algorithm.filter_truncated or self.agent is not None else None,
             baseline_scores=torch.tensor(baselines) if self.needs_greedy_baseline else None, metrics=metrics,
+            turn_rewards=turn_rewards,
         )
 
     # ---- validation, warm-start, probes -------------------------------------------------------
