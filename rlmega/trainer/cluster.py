@@ -36,8 +36,11 @@ def connect(config: RLConfig) -> None:
     groups = (*_bundles(config), *_reward_bundles(config))
     needed = sum(bundle.get("CPU", 0) for bundles in groups for bundle in bundles)
     start_guardian()  # before the session's processes start, so that they inherit its run token
+    # The GCS keeps an event record of every task, up to 100k by default: a run makes tens per step, so the
+    # GCS grew for hours (benchmarks/soak.py). Without a dashboard nobody reads them; keep the last few.
+    system = {} if "RAY_task_events_max_num_task_in_gcs" in os.environ else {"task_events_max_num_task_in_gcs": 1000}
     ray.init(address="local", num_cpus=max(math.ceil(needed), os.cpu_count() or 1), include_dashboard=False,
-             _node_ip_address="127.0.0.1", log_to_driver=True, logging_level=logging.ERROR)
+             _node_ip_address="127.0.0.1", log_to_driver=True, logging_level=logging.ERROR, _system_config=system)
     quiet_worker_deaths(Path(config.run_dir) / "logs" / "ray-errors.log")  # rlmega names dead workers itself
 
 

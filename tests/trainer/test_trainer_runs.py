@@ -118,6 +118,8 @@ def test_dead_engine_stops_the_run_naming_it(tmp_path, assets):
                                       "rollout.placement=disaggregated", "cluster.timeout_s=60"])
     trainer = build_trainer(config)
     try:
+        # The private cluster keeps only the last task events (a long run's GCS grew without it: benchmarks/soak.py).
+        assert ray._config.task_events_max_num_task_in_gcs() == 1000
         ray.kill(trainer.engines.actors[0])
         started = time.monotonic()
         with pytest.raises(WorkerFailure, match="rollout engine 0 died") as failure:
