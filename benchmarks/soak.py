@@ -36,18 +36,6 @@ KINDS = (  # (kind, what its command line contains), the first match wins
 )
 
 
-def _children() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    return children
-
-
 def _rss_bytes(pid: int) -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -67,11 +55,9 @@ def _cmdline(pid: int) -> str:
 
 def sample(driver: int) -> dict[str, float]:
     """Resident bytes per kind of process under ``driver`` (itself included), and /dev/shm's used bytes."""
-    children, todo, tree = _children(), [driver], []
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo.extend(children.get(pid, []))
+    from rlmega.launch.guardian import process_tree
+
+    tree = sorted(process_tree(driver))
     sizes: dict[str, float] = {"driver": 0.0}
     for pid in tree:
         command = _cmdline(pid)

@@ -85,7 +85,8 @@ def _stat(pid: int) -> Optional[tuple[int, int]]:
     return int(fields[1]), int(fields[19])
 
 
-def _all_processes() -> dict[int, tuple[int, int]]:
+def all_processes() -> dict[int, tuple[int, int]]:
+    """{pid: (parent pid, start time)} of every process now."""
     found = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -108,6 +109,19 @@ def descendants(roots: dict[int, int], processes: dict[int, tuple[int, int]]) ->
             if child not in found:
                 found[child] = processes[child][1]
                 todo.append(child)
+    return found
+
+
+def process_tree(pid: int) -> set[int]:
+    """``pid`` and every process below it now (by parent links, whatever session they are in)."""
+    children: dict[int, list[int]] = {}
+    for child, (parent, _) in all_processes().items():
+        children.setdefault(parent, []).append(child)
+    found, todo = set(), [pid]
+    while todo:
+        current = todo.pop()
+        found.add(current)
+        todo.extend(children.get(current, []))
     return found
 
 
@@ -134,7 +148,7 @@ def sweep(known: dict[int, int], token: str, limit_s: float = SWEEP_LIMIT_S) -> 
     killed: set[int] = set()
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
-        processes = _all_processes()
+        processes = all_processes()
         known = descendants(known, processes)
         for pid in processes_with_token(token):
             if pid in processes:
@@ -168,7 +182,7 @@ def _watch(lifeline: int, driver_pid: int) -> dict[int, int]:
     known: dict[int, int] = {}
     driver = {driver_pid: (_stat(driver_pid) or (0, 0))[1]}
     while os.getppid() == driver_pid:
-        processes = _all_processes()
+        processes = all_processes()
         known = {**descendants(known, processes), **descendants(driver, processes)}
         ready, _, _ = select.select([lifeline], [], [], WATCH_INTERVAL_S)
         if ready and not os.read(lifeline, 4096):

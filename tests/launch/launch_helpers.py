@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Set
 
+from rlmega.launch.guardian import process_tree
+
 REPO = Path(__file__).resolve().parents[2]
 STUB = Path(__file__).with_name("stub_rlmega.py")
 VENV_BIN = Path(sys.executable).parent
@@ -107,20 +109,7 @@ def kill_group(process: subprocess.Popen) -> None:
 
 def descendants(pid: int) -> Set[int]:
     """``pid`` and every process below it (torchrun starts its workers in new sessions)."""
-    children: Dict[int, List[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        current = todo.pop()
-        found.add(current)
-        todo.extend(children.get(current, []))
-    return found
+    return process_tree(pid)
 
 
 def kill_tree(pid: int) -> None:
