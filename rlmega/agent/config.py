@@ -30,6 +30,11 @@ class AgentConfig:
     """An environment class (or factory) as ``module:Name`` or ``file.py:Name``, built once per trajectory:
     ``reset(example)`` gives the first messages, ``step(messages)`` answers a turn without tool calls with
     ``(observation, reward, done)``. None: a turn without tool calls ends the trajectory."""
+    demonstration: Optional[str] = None
+    """For the supervised warm-start (``trainer.sft_steps``): a function ``example -> list of assistant turn texts``
+    as ``module:function`` or ``file.py:function``, the turns a good trajectory takes for a prompt (tool calls
+    included); the tools run on them as in a rollout and only the turns are trained on. ``example`` is what an
+    environment's ``reset`` receives. None: the warm-start answers each prompt with its ground truth in one turn."""
     tool_timeout_s: float = 10.0
     """Longest a tool call may run; it is then killed and the model is told so."""
     tool_memory_mb: int = 1024
@@ -68,5 +73,6 @@ class AgentConfig:
             raise ValueError(f"agent.tools: {self.tools} names a tool twice")
         if self.parser not in BUILTIN_PARSERS:
             check_function_spec(self.parser, "agent.parser", f"a built-in parser ({', '.join(BUILTIN_PARSERS)}) or")
-        if self.environment is not None:
-            check_function_spec(self.environment, "agent.environment", "")
+        for field in ("environment", "demonstration"):
+            if getattr(self, field) is not None:
+                check_function_spec(getattr(self, field), f"agent.{field}", "")

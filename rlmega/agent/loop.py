@@ -72,7 +72,9 @@ class Trajectory(Generation):
 
 
 @dataclasses.dataclass
-class _Live:
+class AgentState:
+    """A trajectory being built, with its environment and its row's tool arguments."""
+
     trajectory: Trajectory
     environment: Optional[Environment]
     tools_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -88,6 +90,14 @@ class _Live:
         trajectory.response_token_ids.extend(tokens)
         trajectory.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(tokens))
         trajectory.loss_mask.extend([1 if logprobs is not None else 0] * len(tokens))
+
+
+def example_of(record) -> dict[str, Any]:
+    """What an environment's ``reset`` and a demonstration receive for a prompt record."""
+    extra_info = record.extra_info or {}
+    return {"messages": [dict(m) for m in record.messages], "data_source": record.data_source,
+            "ground_truth": record.ground_truth, "extra_info": extra_info, "index": record.index,
+            "interaction_kwargs": dict(extra_info.get("interaction_kwargs") or {})}
 
 
 def _last_policy_token(loss_mask: Sequence[int]) -> Optional[int]:
@@ -132,48 +142,79 @@ class AgentLoop:
 
     def run(self, generator: Generator, records: Sequence, params: SamplingParams) -> list[Trajectory]:
         """``params.n`` trajectories per record, prompt-major (as ``generate`` orders responses)."""
-        lives = [self._start(index, record) for index, record in enumerate(records) for _ in range(params.n)]
+        lives = [self.start(index, record) for index, record in enumerate(records) for _ in range(params.n)]
         for turn in range(self.config.max_turns):
             live = [state for state in lives if not state.done]
             if not live:
                 break
             turn_params = dataclasses.replace(params, n=1, seed=_turn_seed(params.seed, turn))
-            contexts = [state.trajectory.prompt_token_ids + state.trajectory.response_token_ids for state in live]
-            generations = generator.generate(contexts, turn_params)
-            calling: list[tuple[_Live, list[ToolCall]]] = []
-            for state, generation in zip(live, sorted(generations, key=lambda g: g.prompt_index)):
-                calls = self._take_turn(state, generation)
-                if calls:
-                    calling.append((state, calls))
-            self._run_tools(calling)
-            called = {id(state) for state, _ in calling}
-            for state in live:
-                if not state.done and id(state) not in called:
-                    self._step_environment(state)
-        for state in lives:
-            if not state.done:
-                state.finish("max_turns")
-        return [state.trajectory for state in lives]
+            generations = generator.generate([self.context(state) for state in live], turn_params)
+            self.advance(list(zip(live, sorted(generations, key=lambda g: g.prompt_index))))
+        return self.finish(lives)
 
-    def _start(self, index: int, record) -> _Live:
+    def demonstrate(self, records: Sequence, turns: Sequence[Sequence[str]]) -> list[Trajectory]:
+        """One trajectory per record whose policy turns are the given texts instead of generations (a supervised
+        warm-start's demonstrations): each text is tokenised and ended with the stop token, and everything else
+        (tool calls run by the tools, their outputs, glue, the mask) is made as in a rollout."""
+        lives = [self.start(index, record) for index, record in enumerate(records)]
+        for turn in range(self.config.max_turns):
+            live = [(state, texts[turn]) for state, texts in zip(lives, turns) if not state.done and turn < len(texts)]
+            if not live:
+                break
+            self.advance([(state, self._scripted(text)) for state, text in live])
+        return self.finish(lives)  # a demonstration that ends early is trained on as far as it goes
+
+    def _scripted(self, text: str) -> Generation:
+        tokens = self.tokenizer.encode(text, add_special_tokens=False) + [self.stop_token_ids[0]]
+        return Generation(prompt_index=0, response_token_ids=tokens, logprobs=[0.0] * len(tokens),
+                          finish_reason="stop", weight_version=0)
+
+    # ---- one trajectory at a time (the asynchronous rollout drives these) ------------------
+
+    def start(self, index: int, record) -> AgentState:
+        """A new trajectory for ``record`` (its environment reset, its prompt rendered with the tools)."""
         environment = self.environment_factory() if self.environment_factory is not None else None
         trajectory = Trajectory(prompt_index=index, response_token_ids=[], logprobs=[], finish_reason="stop",
                                 weight_version=-1, tool_calls_by_name=dict.fromkeys(self.tool_names, 0))
         messages = [dict(message) for message in record.messages]
         extra_info = record.extra_info or {}
         if environment is not None:
-            example = {"messages": messages, "data_source": record.data_source, "ground_truth": record.ground_truth,
-                       "extra_info": extra_info, "index": record.index,
-                       "interaction_kwargs": dict(extra_info.get("interaction_kwargs") or {})}
             try:
-                messages = as_messages(environment.reset(example)) or messages
+                messages = as_messages(environment.reset(example_of(record))) or messages
             except Exception:  # a broken environment must not stop the run: counted, the dataset prompt is used
                 trajectory.num_env_errors += 1
         trajectory.messages = messages
         trajectory.prompt_token_ids = self.chat.prompt_ids(messages)
-        return _Live(trajectory, environment, dict(extra_info.get("tools_kwargs") or {}))
+        return AgentState(trajectory, environment, dict(extra_info.get("tools_kwargs") or {}))
 
-    def _take_turn(self, state: _Live, generation: Generation) -> list[ToolCall]:
+    @staticmethod
+    def context(state: AgentState) -> list[int]:
+        """What the trajectory's next turn generates from."""
+        return state.trajectory.prompt_token_ids + state.trajectory.response_token_ids
+
+    def advance(self, turns: Sequence[tuple[AgentState, Generation]]) -> None:
+        """One policy turn of each trajectory: append it, run all their tool calls together, then append the
+        tools' outputs or the environment's observation. A trajectory that ends is marked ``done``."""
+        calling: list[tuple[AgentState, list[ToolCall]]] = []
+        for state, generation in turns:
+            calls = self._take_turn(state, generation)
+            if calls:
+                calling.append((state, calls))
+        self._run_tools(calling)
+        called = {id(state) for state, _ in calling}
+        for state, _ in turns:
+            if not state.done and id(state) not in called:
+                self._step_environment(state)
+
+    @staticmethod
+    def finish(states: Sequence[AgentState]) -> list[Trajectory]:
+        """The trajectories, those still running ended at ``max_turns``."""
+        for state in states:
+            if not state.done:
+                state.finish("max_turns")
+        return [state.trajectory for state in states]
+
+    def _take_turn(self, state: AgentState, generation: Generation) -> list[ToolCall]:
         """Append the policy's turn; its tool calls if they are to run (else the state may be finished)."""
         trajectory, config = state.trajectory, self.config
         left = config.max_response_tokens - len(trajectory.response_token_ids)
@@ -206,7 +247,7 @@ class AgentLoop:
             return []
         return calls
 
-    def _run_tools(self, calling: list[tuple[_Live, list[ToolCall]]]) -> None:
+    def _run_tools(self, calling: list[tuple[AgentState, list[ToolCall]]]) -> None:
         for state, calls in calling:
             for call in calls:
                 call.context = dict(state.tools_kwargs.get(call.name) or {})
@@ -226,7 +267,7 @@ class AgentLoop:
                 messages.append({"role": "tool", "name": call.name, "content": result.output})
             self._append(state, messages)
 
-    def _step_environment(self, state: _Live) -> None:
+    def _step_environment(self, state: AgentState) -> None:
         trajectory = state.trajectory
         try:
             observation, reward, done = state.environment.step([dict(m) for m in trajectory.messages])
@@ -246,7 +287,7 @@ class AgentLoop:
         else:
             self._append(state, messages)
 
-    def _append(self, state: _Live, messages: list[dict]) -> None:
+    def _append(self, state: AgentState, messages: list[dict]) -> None:
         """The messages' tokens after the policy's last turn, masked; over the budget the trajectory ends instead."""
         trajectory = state.trajectory
         glue = self.chat.glue_ids(trajectory.messages, messages)

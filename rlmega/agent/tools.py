@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import threading
 from typing import Any, Callable, Optional, Sequence
 
 from rlmega.agent.parsers import ToolCall
@@ -107,6 +108,7 @@ class ToolBox:
         from rlmega.rewards.pool import ScoringPool
 
         self.specs = list(specs)
+        self._lock = threading.Lock()
         self.timeout_s = timeout_s
         self.max_output_chars = max_output_chars
         arguments = json.dumps({"tools": self.specs, "memory_mb": memory_mb})
@@ -124,6 +126,10 @@ class ToolBox:
 
     def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         """Every call's result, in order; calls run in parallel over the workers. Never raises for a call."""
+        with self._lock:  # the asynchronous rollout's producer and a validation may call at once
+            return self._run(calls)
+
+    def _run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         results: list[Optional[ToolResult]] = [None] * len(calls)
         tasks, positions = [], []
         for position, call in enumerate(calls):

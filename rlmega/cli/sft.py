@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     if config.tiny_assets:
         from rlmega.trainer.assets import prepare_tiny_assets
 
-        prepare_tiny_assets(Path(config.run_dir) / "assets")
+        prepare_tiny_assets(Path(config.run_dir) / "assets", max_operand=config.tiny_assets_max_operand)
     validate(config)
     if config.trainer.sft_steps < 1:
         raise ConfigError("trainer.sft_steps: rlmega sft needs at least one step")

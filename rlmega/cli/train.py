@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     if config.tiny_assets:
         from rlmega.trainer.assets import prepare_tiny_assets
 
-        prepare_tiny_assets(Path(config.run_dir) / "assets")
+        prepare_tiny_assets(Path(config.run_dir) / "assets", max_operand=config.tiny_assets_max_operand)
         if config.tiny_reward_model:
             from rlmega.trainer.tiny_reward_model import prepare_tiny_reward_model
 

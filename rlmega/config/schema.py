@@ -350,6 +350,8 @@ class RLConfig:
     """Write the final weights as an HF checkpoint to run_dir/hf."""
     tiny_assets: bool = False
     """Build the quickstart's tiny model, tokenizer and arithmetic data under run_dir/assets if missing."""
+    tiny_assets_max_operand: int = 9
+    """With ``tiny_assets``: the arithmetic data's largest operand (9: single digits)."""
     tiny_reward_model: bool = False
     """With ``tiny_assets``: also fit the quickstart's tiny reward model to the rule reward of the training
     prompts, into run_dir/assets/reward_model, if missing (``configs/tiny_cpu_rm.yaml``)."""

@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from rlmega import algos
+from rlmega.agent.loop import AgentState
 from rlmega.config.schema import RLConfig
 from rlmega.data.schema import PromptRecord
 from rlmega.rollout.protocol import Generation, SamplingParams
@@ -44,6 +45,15 @@ class _Response:
     versions: list[int] = dataclasses.field(default_factory=list)
     finish: Optional[str] = None
     segments: int = 0  # engine requests it took (more than one when interrupted)
+    agent: Optional[AgentState] = None
+    """A multi-turn trajectory (``agent.enabled``): ``tokens``, ``logprobs`` and ``versions`` then hold the turn
+    being generated, ``agent.trajectory`` the turns, tool outputs and glue before it."""
+    trajectory_versions: list[int] = dataclasses.field(default_factory=list)
+    """With ``agent``: the weight version of each of the trajectory's tokens (glue: its turn's last)."""
+
+    @property
+    def all_versions(self) -> list[int]:
+        return self.trajectory_versions if self.agent is not None else self.versions
 
 
 @dataclasses.dataclass
@@ -55,7 +65,7 @@ class _Group:
     attempt: int = 0  # generated again after going stale
 
     def oldest_version(self) -> int:
-        return min(min(r.versions) for r in self.responses if r.versions)
+        return min(min(r.all_versions) for r in self.responses if r.all_versions)
 
 
 @dataclasses.dataclass
@@ -71,6 +81,7 @@ class AsyncRollouts:
 
     def __init__(self, config: RLConfig, prompts: PromptSource, engines):
         self.config, self.prompts, self.engines = config, prompts, engines
+        self.agent = prompts.agent
         self.per_step = config.trainer.prompts_per_step
         self.staleness = config.rollout.max_staleness
         self.timeout_s = config.cluster.timeout_s
@@ -125,7 +136,7 @@ class AsyncRollouts:
         metrics["async/buffer_occupancy"] = occupancy
         metrics["async/trainer_wait_s"] = time.perf_counter() - waited_since
         groups = [Group(done.group.record, done.generations, done.scores,
-                        token_versions=[torch.tensor(r.versions, dtype=torch.long) for r in done.group.responses])
+                        token_versions=[torch.tensor(r.all_versions, dtype=torch.long) for r in done.group.responses])
                   for done in taken]
         return self.prompts.assemble(groups, metrics)
 
@@ -212,8 +223,10 @@ class AsyncRollouts:
                     except Exception as error:
                         raise RuntimeError(f"rollout engine {waiting[future][0]}: {error}") from error
                     with self._lock:
-                        self._collect(future, generations)
+                        turns = self._collect(future, generations)
                         self._lock.notify_all()
+                    if turns:
+                        self._advance(turns)
         except BaseException as error:  # noqa: BLE001 - handed to the trainer's thread
             with self._lock:
                 self._error = error
@@ -226,7 +239,7 @@ class AsyncRollouts:
         while self._live < limit:
             draw, index = self._draw()
             record = self.prompts.dataset.batch([index])[0]
-            group = _Group(draw, record, [_Response() for _ in range(self.config.rollout.n)])
+            group = _Group(draw, record, self._responses(record, self.config.rollout.n))
             self._pending.extend((group, sample) for sample in range(len(group.responses)))
             self._live += 1
 
@@ -254,7 +267,8 @@ class AsyncRollouts:
             prompts, params = [], []
             for group, sample in work:
                 response = group.responses[sample]
-                prompts.append(group.record.prompt_token_ids + response.tokens)
+                start = group.record.prompt_token_ids if response.agent is None else self.agent.context(response.agent)
+                prompts.append(start + response.tokens)
                 params.append(self._params(group, sample, response))
             future = _as_future(self.engines.submit(engine, prompts, params))
             self._in_flight[future] = (engine, work, time.perf_counter())
@@ -265,11 +279,17 @@ class AsyncRollouts:
                 + (response.segments + 64 * group.attempt) * 15_485_863) % (2**31)
         return dataclasses.replace(base, max_new_tokens=base.max_new_tokens - len(response.tokens), seed=seed)
 
-    def _collect(self, future: futures.Future, generations: list[Generation]) -> None:
-        """One engine request's answers (the lock is held)."""
+    def _responses(self, record: PromptRecord, count: int) -> list[_Response]:
+        if self.agent is None:
+            return [_Response() for _ in range(count)]
+        return [_Response(agent=self.agent.start(0, record)) for _ in range(count)]
+
+    def _collect(self, future: futures.Future, generations: list[Generation]) -> list[tuple[_Group, int]]:
+        """One engine request's answers (the lock is held); the agent trajectories whose turn ended, for
+        ``_advance``."""
         engine, work, started = self._in_flight.pop(future)
         self._window.engine_busy(engine, started, time.perf_counter())
-        completed = []
+        completed, turns = [], []
         for generation in generations:
             group, sample = work[generation.prompt_index]
             response = group.responses[sample]
@@ -277,7 +297,9 @@ class AsyncRollouts:
             self._window.generated_tokens += len(generation.response_token_ids)
             if generation.finish_reason == "abort" and self.config.rollout.partial_rollout == "restart":
                 self._window.restarted += 1
-                group.responses[sample] = response = _Response(segments=response.segments)
+                # A trajectory restarts its turn: the turns before it are whole.
+                group.responses[sample] = response = _Response(segments=response.segments, agent=response.agent,
+                                                               trajectory_versions=response.trajectory_versions)
             else:
                 response.tokens += generation.response_token_ids
                 response.logprobs += generation.logprobs
@@ -286,17 +308,49 @@ class AsyncRollouts:
                 self._window.interrupted += 1
                 self._pending.append((group, sample))
                 continue
+            if response.agent is not None:
+                response.finish = generation.finish_reason
+                turns.append((group, sample))
+                continue
             response.finish = generation.finish_reason
             if all(r.finish is not None for r in group.responses) and group not in completed:
                 completed.append(group)
         for group in completed:
             self._complete(group)
+        return turns
+
+    def _advance(self, turns: list[tuple[_Group, int]]) -> None:
+        """The agent's side of the turns that ended: tool calls run (outside the lock, all together), their
+        outputs appended; a trajectory that goes on waits for an engine again, one that ended may complete
+        its group."""
+        advanced = []
+        for group, sample in turns:
+            response = group.responses[sample]
+            trajectory = response.agent.trajectory
+            turn = Generation(prompt_index=0, response_token_ids=response.tokens, logprobs=response.logprobs,
+                              finish_reason=response.finish, weight_version=min(response.versions, default=0))
+            advanced.append((response, turn, len(trajectory.response_token_ids)))
+        self.agent.advance([(response.agent, turn) for response, turn, _ in advanced])
+        with self._lock:
+            completed = []
+            for (group, sample), (response, _, before) in zip(turns, advanced):
+                added = len(response.agent.trajectory.response_token_ids) - before
+                last = response.versions[-1] if response.versions else self._version
+                response.trajectory_versions += (response.versions + [last] * added)[:added]
+                response.tokens, response.logprobs, response.versions = [], [], []
+                if response.agent.done:
+                    if all(r.agent.done for r in group.responses) and group not in completed:
+                        completed.append(group)
+                else:
+                    response.finish = None
+                    self._pending.append((group, sample))
+            for group in completed:
+                self._complete(group)
+            self._lock.notify_all()
 
     def _complete(self, group: _Group) -> None:
         """Score a whole group; keep it, or drop it when dynamic sampling finds its scores all equal."""
-        generations = [Generation(prompt_index=0, response_token_ids=r.tokens, logprobs=r.logprobs,
-                                  finish_reason=r.finish, weight_version=min(r.versions) if r.versions else 0)
-                       for r in group.responses]
+        generations = [self._generation(r) for r in group.responses]
         raw, reward_metrics = self.prompts.score([group.record], generations)
         scores = self.prompts.shape_scores(raw, generations)
         self._window.scored(raw, generations, reward_metrics)
@@ -309,6 +363,15 @@ class AsyncRollouts:
                 return
         self._equal_streak = 0
         self._buffer.append(_Done(group, generations, scores))
+
+    @staticmethod
+    def _generation(response: _Response) -> Generation:
+        if response.agent is not None:  # the trajectory, its prompt the one rendered with the tools
+            trajectory = response.agent.trajectory
+            trajectory.weight_version = min(response.trajectory_versions, default=0)
+            return trajectory
+        return Generation(prompt_index=0, response_token_ids=response.tokens, logprobs=response.logprobs,
+                          finish_reason=response.finish, weight_version=min(response.versions, default=0))
 
     def _sort_out_stale(self) -> list[_Done]:
         """Groups within the bound; the others regenerated or dropped (the lock is held)."""
@@ -323,7 +386,8 @@ class AsyncRollouts:
                 self._drop(done.group)
             else:
                 self._window.stale_regenerated += 1
-                group = _Group(done.group.draw, done.group.record, [_Response() for _ in done.group.responses],
+                group = _Group(done.group.draw, done.group.record,
+                               self._responses(done.group.record, len(done.group.responses)),
                                attempt=done.group.attempt + 1)
                 self._pending.extend((group, sample) for sample in range(len(group.responses)))
         return usable
@@ -384,9 +448,9 @@ class _Window:
         now = time.perf_counter()
         wall = max(now - self.since, 1e-9)
         busy = sum(self.busy_s.values()) + sum(now - max(started, self.since) for started in running.values())
-        staleness = [version - min(r.versions) for done in taken for r in done.group.responses]
-        token_staleness = [version - v for done in taken for r in done.group.responses for v in r.versions]
-        mixed = [len(set(r.versions)) > 1 for done in taken for r in done.group.responses]
+        staleness = [version - min(r.all_versions) for done in taken for r in done.group.responses]
+        token_staleness = [version - v for done in taken for r in done.group.responses for v in r.all_versions]
+        mixed = [len(set(r.all_versions)) > 1 for done in taken for r in done.group.responses]
         scores = torch.cat(self.scores) if self.scores else torch.cat([done.scores for done in taken])
         generations = self.generations or [g for done in taken for g in done.generations]
         metrics = PromptSource.generation_metrics(scores, generations, self.reward_metrics)

@@ -17,6 +17,7 @@ import torch
 from rlmega import algos
 from rlmega.config.schema import RLConfig
 from rlmega.data.schema import PromptRecord
+from rlmega.errors import UserError
 from rlmega.rewards.judge import JudgeEngines
 from rlmega.rewards.reward_model import SequenceScorer
 from rlmega.rollout.protocol import Generation, SamplingParams
@@ -109,11 +110,7 @@ class PromptSource:
 
     def _agent_loop(self):
         from rlmega.agent.loop import AgentLoop
-        from rlmega.errors import UserError
 
-        if self.config.rollout.mode != "sync":
-            raise UserError(f"agent.enabled: multi-turn rollouts run in rollout.mode=sync only, "
-                            f"got {self.config.rollout.mode}")
         if not self.config.data.use_chat_template:
             raise UserError("agent.enabled: needs data.use_chat_template=true (tool outputs follow the chat template)")
         return AgentLoop(self.config.agent, self.tokenizer, stop_token_ids=self.stop_token_ids,
@@ -199,10 +196,6 @@ class PromptSource:
                 "raise algorithm.max_generation_rounds or rollout.n, or turn off algorithm.dynamic_sampling"
             )
         metrics = self.generation_metrics(torch.cat(all_scores), all_generations, reward_metrics)
-        if self.agent is not None:
-            from rlmega.agent.loop import agent_metrics
-
-            metrics.update(agent_metrics(all_generations))
         metrics.update({"batch/generation_rounds": float(round_index + 1), "batch/dropped_groups": float(dropped)})
         return self.assemble(kept, metrics)
 
@@ -224,6 +217,10 @@ class PromptSource:
         metrics = batch_metrics(scores, [len(g.response_token_ids) for g in generations],
                                 truncated=[g.finish_reason == "length" for g in generations])
         metrics.update({name if "/" in name else f"reward/{name}": value for name, value in reward_metrics.items()})
+        if generations and hasattr(generations[0], "loss_mask"):  # an agent's trajectories
+            from rlmega.agent.loop import agent_metrics
+
+            metrics.update(agent_metrics(generations))
         return metrics
 
     def assemble(self, kept: list[Group], metrics: dict[str, float]) -> Rollouts:
@@ -296,13 +293,39 @@ class PromptSource:
 
         per_step = min(self.config.trainer.prompts_per_step * self.config.rollout.n, len(self.dataset))
         sampler = StatefulSampler(len(self.dataset), per_step, seed=self.config.trainer.seed + 1)
+        demonstration = None
+        if self.agent is not None and self.config.agent.demonstration is not None:
+            from rlmega.agent.functions import load_callable
+
+            demonstration = load_callable(self.config.agent.demonstration)
         for _ in range(self.config.trainer.sft_steps):
+            records = self.dataset.batch(sampler.next_batch())
+            if demonstration is not None:
+                yield self._demonstrated(records, demonstration)
+                continue
             tokens, prompts = [], []
-            for record in self.dataset.batch(sampler.next_batch()):
+            for record in records:
                 answer = self.tokenizer.encode(str(record.ground_truth), add_special_tokens=False)
                 tokens.append(torch.tensor(record.prompt_token_ids + answer + list(self.stop_token_ids)))
                 prompts.append(len(record.prompt_token_ids))
             yield SequenceBatch(tokens, prompts)
+
+    def _demonstrated(self, records: Sequence[PromptRecord], demonstration) -> SequenceBatch:
+        """The agent's trajectories with ``agent.demonstration``'s turns, masked to train on those turns only."""
+        from rlmega.agent.loop import example_of
+
+        turns = []
+        for record in records:
+            texts = demonstration(example_of(record))
+            if not isinstance(texts, (list, tuple)) or not all(isinstance(text, str) for text in texts):
+                raise UserError(f"agent.demonstration {self.config.agent.demonstration}: returned {texts!r} for "
+                                f"row {record.index}; it must return a list of assistant turn texts")
+            turns.append(texts)
+        trajectories = self.agent.demonstrate(records, turns)
+        return SequenceBatch([torch.tensor(t.prompt_token_ids + t.response_token_ids) for t in trajectories],
+                             [len(t.prompt_token_ids) for t in trajectories],
+                             fields={"response_mask": [torch.tensor(t.loss_mask, dtype=torch.float32)
+                                                       for t in trajectories]})
 
     def probes(self) -> list[list[int]]:
         """Prompts the post-sync check generates from."""

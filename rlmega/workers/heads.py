@@ -167,6 +167,9 @@ def sft_head(batch: SequenceBatch, *, vocab_size: int, chunk_tokens: int, backwa
 
     def head(micro_batch: MicroBatch, output: torch.Tensor) -> HeadResult:
         logp_flat, _ = _logprobs(micro_batch, output, vocab_size, chunk_tokens)
+        if "response_mask" in batch.fields:  # an agent's demonstration: tool output and glue are not trained on
+            mask = torch.cat([batch.fields["response_mask"][i] for i in micro_batch.indices]).to(logp_flat)
+            logp_flat = logp_flat * mask
         loss = -logp_flat.sum() / denominators.num_tokens.clamp(min=1)
         return HeadResult(loss=(loss + _attached(output)) * backward_scale, summed={"sft_loss": loss.detach()})
 

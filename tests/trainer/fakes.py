@@ -182,17 +182,18 @@ class FakeAsyncEngines(FakeEngines):
         threading.Thread(target=run, daemon=True).start()
         return future
 
+    def target(self, prompt: list[int], request: SamplingParams) -> list[int]:
+        """The tokens still to come for a request: the answer, after what a continuation already holds."""
+        a, b = re.findall(r"(\d+)\+(\d+)=", self.tokenizer.decode(prompt))[-1]
+        text = self.tokenizer.decode(prompt, skip_special_tokens=True).rsplit("=", 1)[1]  # answered before
+        right, wrong = str(int(a) + int(b)), str(int(a) + int(b) + 1)
+        # A third of the responses (by seed) are off by one; a continuation carries on with what it began.
+        answer = (right if right.startswith(text) else wrong) if text else (wrong if request.seed % 3 == 0 else right)
+        tokens = self.tokenizer.encode(answer, add_special_tokens=False) + [self.stop_token_id]
+        return tokens[len(self.tokenizer.encode(text, add_special_tokens=False)) if text else 0:]
+
     def _run(self, prompts, params, version) -> list[Generation]:
-        targets = []
-        for prompt, request in zip(prompts, params):
-            a, b = re.findall(r"(\d+)\+(\d+)=", self.tokenizer.decode(prompt))[-1]
-            text = self.tokenizer.decode(prompt, skip_special_tokens=True).rsplit("=", 1)[1]  # answered before
-            right, wrong = str(int(a) + int(b)), str(int(a) + int(b) + 1)
-            # A third of the responses (by seed) are off by one; a continuation carries on with what it began.
-            answer = (right if right.startswith(text) else wrong) if text else (wrong if request.seed % 3 == 0 else right)
-            tokens = self.tokenizer.encode(answer, add_special_tokens=False) + [self.stop_token_id]
-            done = len(self.tokenizer.encode(text, add_special_tokens=False)) if text else 0
-            targets.append(tokens[done:])
+        targets = [self.target(prompt, request) for prompt, request in zip(prompts, params)]
         emitted = [[] for _ in prompts]
         finish = [None] * len(prompts)
         first = True
