@@ -14,7 +14,8 @@ from rlmega.trainer.assets import prepare_tiny_assets
 from rlmega.trainer.controller import Trainer
 from rlmega.trainer.prompts import PromptSource
 
-from tests.trainer.fakes import ROLLOUT_LOGP, FakeActor, FakeAsyncEngines, FakeEngines, FakeJob, MidGenerationActor
+from tests.trainer.fakes import (ROLLOUT_LOGP, FakeActor, FakeAsyncEngines, FakeEngines, FakeJob, MidGenerationActor,
+                                 RecordedTakes)
 
 N, PROMPTS, STEPS = 2, 2, 5
 
@@ -65,17 +66,6 @@ class CalculatorEngines(FakeEngines):
                 for index, tokens in enumerate(_turn_target(self, prompt, params) for prompt in prompts)]
 
 
-class _Recording:
-    def __init__(self, trainer):
-        self.taken, take = {}, trainer.schedule.take
-
-        def recorded(step):
-            self.taken[step] = rollouts = take(step)
-            return rollouts
-
-        trainer.schedule.take = recorded
-
-
 def _check_trajectories(prompts: PromptSource, rollouts, staleness_bound=None, step=None):
     tokenizer = prompts.tokenizer
     for tokens, prompt_length, mask, versions, logp in zip(
@@ -104,7 +94,7 @@ def test_async_trains_on_whole_multi_turn_trajectories_within_the_staleness_boun
     engines = CalculatorAsyncEngines(prompts.tokenizer, prompts.stop_token_ids[0], tick_s=0.02)
     actor = FakeActor()
     trainer = Trainer(config, prompts, FakeJob(), actor, engines)
-    recording = _Recording(trainer)
+    recording = RecordedTakes(trainer)
     assert trainer.fit() == 0
     assert sorted(recording.taken) == list(range(1, STEPS + 1)) and len(actor.updates) == STEPS
     for step, rollouts in recording.taken.items():
@@ -121,7 +111,7 @@ def test_interrupted_turns_continue_with_newer_weights_and_keep_each_tokens_vers
     engines = CalculatorAsyncEngines(prompts.tokenizer, prompts.stop_token_ids[0], tick_s=0.3)
     actor = MidGenerationActor(engines)
     trainer = Trainer(config, prompts, FakeJob(), actor, engines)
-    recording = _Recording(trainer)
+    recording = RecordedTakes(trainer)
     assert trainer.fit() == 0
     assert engines.aborted > 0
     mixed = 0
@@ -140,7 +130,7 @@ def test_one_step_off_takes_multi_turn_trajectories_one_version_behind(tmp_path,
     prompts = PromptSource(config)
     engines = CalculatorEngines(prompts.tokenizer, prompts.stop_token_ids[0])
     trainer = Trainer(config, prompts, FakeJob(), FakeActor(), engines)
-    recording = _Recording(trainer)
+    recording = RecordedTakes(trainer)
     assert trainer.fit() == 0
     for step, rollouts in recording.taken.items():
         _check_trajectories(prompts, rollouts)

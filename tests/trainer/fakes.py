@@ -236,3 +236,17 @@ class MidGenerationActor(FakeActor):
         if self.engines.in_flight:
             assert self.engines.mid_call.wait(timeout=60), "the engines never started generating"
         return super().update(batch)
+
+
+class RecordedTakes:
+    """Wraps a trainer's rollout schedule and keeps every step's rollouts (``taken[step]``)."""
+
+    def __init__(self, trainer):
+        self.taken = {}
+        take = trainer.schedule.take
+
+        def recorded(step):
+            self.taken[step] = rollouts = take(step)
+            return rollouts
+
+        trainer.schedule.take = recorded

@@ -15,7 +15,8 @@ from rlmega.trainer.async_rollouts import AsyncRollouts, _Done, _Group, _Respons
 from rlmega.trainer.controller import Trainer
 from rlmega.trainer.prompts import PromptSource
 
-from .fakes import ROLLOUT_LOGP, FakeActor, FakeAsyncEngines, FakeEngines, FakeJob, FakeReference, MidGenerationActor
+from .fakes import (ROLLOUT_LOGP, FakeActor, FakeAsyncEngines, FakeEngines, FakeJob, FakeReference, MidGenerationActor,
+                    RecordedTakes)
 
 N, PROMPTS = 2, 2
 
@@ -39,20 +40,6 @@ def _config(tmp_path, assets, *overrides):
         "sync.post_sync_check=false", "cluster.timeout_s=60", *overrides])
 
 
-class _Recording:
-    """Wraps the trainer's schedule and keeps every step's rollouts."""
-
-    def __init__(self, trainer):
-        self.taken = {}
-        take = trainer.schedule.take
-
-        def recorded(step):
-            self.taken[step] = rollouts = take(step)
-            return rollouts
-
-        trainer.schedule.take = recorded
-
-
 def _async_trainer(tmp_path, assets, *overrides, tick_s=0.02, actor=None, job=None):
     config = _config(tmp_path, assets, *overrides)
     prompts = PromptSource(config)
@@ -60,7 +47,7 @@ def _async_trainer(tmp_path, assets, *overrides, tick_s=0.02, actor=None, job=No
     actor = actor(engines) if actor else FakeActor()
     trainer = Trainer(config, prompts, job or FakeJob(), actor, engines,
                       reference=FakeReference() if config.needs_reference else None)
-    return trainer, actor, engines, _Recording(trainer)
+    return trainer, actor, engines, RecordedTakes(trainer)
 
 
 @pytest.mark.parametrize("staleness", [0, 1, 2])
@@ -185,7 +172,7 @@ def test_one_step_off_equals_a_synchronous_run_with_rollouts_delayed_by_one_step
         engines, actor = FakeEngines(prompts.tokenizer, prompts.stop_token_ids[0]), FakeActor()
         trainer = Trainer(config, prompts, FakeJob(), actor, engines, reference=FakeReference())
         trainer.schedule.overlap = overlap
-        recording = _Recording(trainer)
+        recording = RecordedTakes(trainer)
         assert trainer.fit() == 0
         return recording.taken, actor
 
