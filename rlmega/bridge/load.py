@@ -12,8 +12,8 @@ from rlmega.bridge.mapping import RuleBook, hf_shapes, shard_from_hf
 from rlmega.bridge.params import gathered_shape, geometry_of, local_params, tp_group_of
 from rlmega.models.spec import ModelSpec
 
-_TIED_EMBEDDING = "model.embed_tokens.weight"
 _LM_HEAD = "lm_head.weight"
+_EMBEDDING = "embedding.word_embeddings.weight"
 
 
 def _plan(chunks: list, spec: ModelSpec):
@@ -24,7 +24,7 @@ def _plan(chunks: list, spec: ModelSpec):
     for param in local_params(chunks):
         rule, names = book.resolve(param.canonical)
         if param.tied_output:
-            names = (_TIED_EMBEDDING,)
+            names = book.resolve(_EMBEDDING)[1]
         owner = book.resolve(param.copy_of)[1][0] if param.copy_of is not None else None
         _, tp_rank, tp = tp_group_of(param)
         for name, shape in zip(names, hf_shapes(rule, gathered_shape(param, tp), geometry)):
@@ -45,15 +45,16 @@ def _all_needed(needed: dict) -> dict:
     return union
 
 
-def check_checkpoint(checkpoint: HFCheckpoint, needed: dict[str, tuple], tied: bool, unused: frozenset = frozenset()) -> None:
+def check_checkpoint(checkpoint: HFCheckpoint, needed: dict[str, tuple], tied: bool, unused: frozenset = frozenset(),
+                     embedding: str = "model.embed_tokens.weight") -> None:
     """Raise CheckpointError naming the first missing, unexpected or mis-shaped tensor (``unused``
-    names may be present without being needed)."""
+    names may be present without being needed; ``embedding``: the HF name of the input embedding)."""
     present = checkpoint.keys() - unused
     for name in sorted(needed):
         if name not in present:
             raise CheckpointError(f"checkpoint {checkpoint.directory} is missing {name!r}, which the model config needs")
     if tied:
-        check_tied_head(checkpoint)
+        check_tied_head(checkpoint, embedding)
     unexpected = sorted(present - set(needed) - ({_LM_HEAD} if tied else set()))
     if unexpected:
         raise CheckpointError(
@@ -68,16 +69,16 @@ def check_checkpoint(checkpoint: HFCheckpoint, needed: dict[str, tuple], tied: b
             )
 
 
-def check_tied_head(checkpoint: HFCheckpoint) -> None:
+def check_tied_head(checkpoint: HFCheckpoint, embedding: str = "model.embed_tokens.weight") -> None:
     """A config that ties the LM head to the embedding may still come with a stored copy of the
     head; one that differs from the embedding would be dropped without a word, so refuse it."""
-    if _LM_HEAD not in checkpoint.keys() or _TIED_EMBEDDING not in checkpoint.keys():
+    if _LM_HEAD not in checkpoint.keys() or embedding not in checkpoint.keys():
         return
-    if checkpoint.shape(_LM_HEAD) == checkpoint.shape(_TIED_EMBEDDING) and torch.equal(
-            checkpoint.read(_LM_HEAD), checkpoint.read(_TIED_EMBEDDING)):
+    if checkpoint.shape(_LM_HEAD) == checkpoint.shape(embedding) and torch.equal(
+            checkpoint.read(_LM_HEAD), checkpoint.read(embedding)):
         return
     raise CheckpointError(
-        f"checkpoint {checkpoint.directory} holds its own {_LM_HEAD!r}, different from {_TIED_EMBEDDING!r}, but its "
+        f"checkpoint {checkpoint.directory} holds its own {_LM_HEAD!r}, different from {embedding!r}, but its "
         "config.json sets tie_word_embeddings: true, so the head would be dropped; set \"tie_word_embeddings\": false "
         f"in config.json to keep the head, or delete {_LM_HEAD!r} from the checkpoint to use the embedding as the head"
     )
@@ -95,7 +96,8 @@ def load_hf_weights(chunks: list, spec: ModelSpec, directory: str | Path, *, wit
     unused = frozenset({_LM_HEAD}) if without_lm_head else frozenset()
     if spec.unused_hf_prefixes:
         unused |= {name for name in checkpoint.keys() if name.startswith(spec.unused_hf_prefixes)}
-    check_checkpoint(checkpoint, _all_needed(needed), spec.tie_word_embeddings, unused)
+    check_checkpoint(checkpoint, _all_needed(needed), spec.tie_word_embeddings, unused,
+                     RuleBook(spec.architecture).resolve(_EMBEDDING)[1][0])
     geometry = geometry_of(spec)
     for param, rule, names, tp_rank, tp, owner in plan:
         shard = shard_from_hf(rule, checkpoint.read, names, param.tensor.shape, param.partition_dim, tp_rank, tp, geometry)

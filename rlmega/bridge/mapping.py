@@ -58,6 +58,13 @@ def _dense_rules(attn: str = "self_attn", mlp: str = "mlp") -> list[Rule]:
     ]
 
 
+def _vision_language_rules(rules: list[Rule]) -> list[Rule]:
+    """Qwen2.5-VL as its checkpoints store it (and transformers saves it): the language model's tensors under the
+    text model's names, and the vision tower's under ``visual.``, copied whole (every rank of the first stage holds
+    the tower, see ``rlmega.models.vision_language``)."""
+    return rules + [Rule("visual.{name}", ("visual.{name}",))]
+
+
 def _score_rules(rules: list[Rule]) -> list[Rule]:
     """A ``*ForSequenceClassification`` checkpoint (reward model): the trunk's rules, and HF's
     ``score`` head ``[num_labels, hidden]`` as the output layer, copied whole (every TP rank holds it,
@@ -141,6 +148,7 @@ RULES: dict[str, list[Rule]] = {
     "Qwen3MoeForCausalLM": _dense_rules() + _expert_rules("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
     "MixtralForCausalLM": _dense_rules() + _expert_rules("block_sparse_moe", "gate", "w1", "w3", "w2"),
     "DeepseekV3ForCausalLM": _deepseek_v3_rules(),
+    "Qwen2_5_VLForConditionalGeneration": _vision_language_rules(_dense_rules()),
     "LlamaForSequenceClassification": _score_rules(_dense_rules()),
     "Qwen2ForSequenceClassification": _score_rules(_dense_rules()),
     "Qwen3ForSequenceClassification": _score_rules(_dense_rules()),
@@ -165,6 +173,7 @@ def canonical_te_name(name: str) -> str:
 
 def _pattern(template: str) -> re.Pattern:
     escaped = re.escape(template).replace(r"\{layer\}", r"(?P<layer>\d+)").replace(r"\{expert\}", r"(?P<expert>\d+)")
+    escaped = escaped.replace(r"\{name\}", r"(?P<name>.+)")  # any name below a prefix (a module held whole)
     return re.compile(f"^{escaped}$")
 
 

@@ -16,6 +16,7 @@ import torch
 from rlmega.models.deepseek import deepseek_v3
 from rlmega.models.reward_head import score_head_from_hf
 from rlmega.models.spec import ModelSpec
+from rlmega.models.vision_language import qwen2_5_vl
 
 HFConfig = dict[str, Any]
 
@@ -177,6 +178,7 @@ ARCHITECTURES: dict[str, Callable[..., ModelSpec]] = {
     "Qwen3MoeForCausalLM": qwen3_moe,
     "MixtralForCausalLM": mixtral,
     "DeepseekV3ForCausalLM": deepseek_v3,
+    "Qwen2_5_VLForConditionalGeneration": qwen2_5_vl,
     "LlamaForSequenceClassification": _sequence_classifier(llama),
     "Qwen2ForSequenceClassification": _sequence_classifier(qwen2),
     "Qwen3ForSequenceClassification": _sequence_classifier(qwen3),

@@ -16,6 +16,7 @@ import torch
 
 from rlmega.models.mtp_model import gpt_model_with_mtp
 from rlmega.models.reward_head import ScoreHeadSpec, attach_score_head
+from rlmega.models.vision_language import VisionSpec, vision_language_model_class
 from rlmega.parallel.layout import ParallelLayout
 
 VOCAB_DIVISIBLE_BY = 128
@@ -60,6 +61,8 @@ class ModelSpec:
     notes: tuple[str, ...] = ()
     """One-line remarks on how the checkpoint was read (e.g. MTP layers config.json announces but the
     weights lack), for the command line to show once."""
+    vision: Optional[VisionSpec] = None
+    """A vision-language model's vision side (``rlmega.models.vision_language``); None for text only."""
     unused_hf_prefixes: tuple[str, ...] = ()
     """HF tensor names starting with these are in the checkpoint but not built (MTP layers turned off);
     the importer leaves them unread."""
@@ -180,6 +183,9 @@ def build_chunks(spec: ModelSpec, layout: ParallelLayout, config=None) -> list:
 
     config = config or spec.transformer_config(layout)
     model_class = gpt_model_with_mtp() if spec.mtp_num_layers else GPTModel
+    extra = {"position_embedding_type": "rope"}
+    if spec.vision is not None:
+        model_class, extra = vision_language_model_class(), {"vision": spec.vision}
     virtual = layout.virtual_stages > 1
     chunks = []
     for vp_stage in range(layout.virtual_stages):
@@ -192,12 +198,12 @@ def build_chunks(spec: ModelSpec, layout: ParallelLayout, config=None) -> list:
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=not virtual, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=not virtual, vp_stage=stage),
             share_embeddings_and_output_weights=spec.tie_word_embeddings,
-            position_embedding_type="rope",
             rotary_base=spec.rotary_base,
             rope_scaling=spec.rope_scaling_factor is not None,
             rope_scaling_factor=spec.rope_scaling_factor or 8.0,
             vp_stage=stage,
             mtp_block_spec=spec.mtp_block_spec(config, vp_stage=stage),
+            **extra,
         )
         if spec.score_head is not None:
             attach_score_head(model, spec.score_head, config)
