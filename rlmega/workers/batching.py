@@ -24,6 +24,16 @@ import torch
 
 
 @dataclasses.dataclass
+class ImageInputs:
+    """A sequence's images as a vision-language model takes them (``rlmega.models.vision_language``)."""
+
+    pixel_values: torch.Tensor
+    """``[patches, channels * temporal_patch * patch * patch]`` the images' patches, image after image."""
+    grid_thw: torch.Tensor
+    """``[images, 3]`` each image's patch grid (temporal, height, width), in the order of its pad tokens."""
+
+
+@dataclasses.dataclass
 class SequenceBatch:
     """Token sequences and per-response-token data (``fields[name][i]`` has one entry per response token)."""
 
@@ -38,6 +48,8 @@ class SequenceBatch:
     routing: Optional[list[torch.Tensor]] = None
     """MoE routing to replay (``rlmega.workers.routing``): per sequence ``[L_i, M, k]`` expert ids, every
     token through the model's M MoE layers; None: the routers choose."""
+    images: Optional[list[Optional[ImageInputs]]] = None
+    """A vision-language model's inputs: per sequence its images (None: text only); None: no sequence has any."""
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -50,6 +62,8 @@ class SequenceBatch:
                     f"sequence {index}: need 1-D tokens with a prompt of 1..{tokens.numel() - 1} tokens and at least "
                     f"one response token, got shape {list(tokens.shape)} and prompt length {prompt}"
                 )
+        if self.images is not None and len(self.images) != len(self.tokens):
+            raise ValueError(f"images has {len(self.images)} entries for {len(self.tokens)} sequences")
         if self.routing is not None:
             if len(self.routing) != len(self.tokens):
                 raise ValueError(f"routing has {len(self.routing)} entries for {len(self.tokens)} sequences")
@@ -84,6 +98,7 @@ class SequenceBatch:
             [self.tokens[i] for i in indices], [self.prompt_lengths[i] for i in indices],
             {name: [values[i] for i in indices] for name, values in self.fields.items()}, self.temperature,
             None if self.routing is None else [self.routing[i] for i in indices],
+            None if self.images is None else [self.images[i] for i in indices],
         )
 
     def with_fields(self, **fields: list[torch.Tensor]) -> "SequenceBatch":
@@ -176,6 +191,15 @@ class MicroBatch:
     routing: Optional[torch.Tensor] = None
     """``[B, S, M, k]`` MoE routing laid out like ``tokens`` (-1 on padding), when the batch has routing
     to replay."""
+    pixel_values: Optional[torch.Tensor] = None
+    """A vision-language model's: the images of the micro-batch's sequences, in their order (None: none)."""
+    image_grid_thw: Optional[torch.Tensor] = None
+
+    def model_inputs(self) -> dict:
+        """Keyword inputs of the model beyond tokens, positions and mask (the images, if any)."""
+        if self.pixel_values is None:
+            return {}
+        return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw}
 
     @property
     def num_tokens(self) -> int:
@@ -201,7 +225,7 @@ def _response_slots(start: int, tokens: torch.Tensor, prompt_length: int) -> tup
 def build_micro_batch(
     batch: SequenceBatch, indices: list[int], *, packing: bool, pad_to_multiple: int = 1,
     shape: Optional[tuple[int, int]] = None, use_thd: bool = False, pad_token_id: int = 0,
-    segment_multiple: int = 1,
+    segment_multiple: int = 1, vision=None,
 ) -> MicroBatch:
     """The inputs of the micro-batch made of ``batch``'s sequences ``indices`` (may be empty).
 
@@ -209,7 +233,8 @@ def build_micro_batch(
     ``shape`` forces ``[B, S]`` (pipeline stages exchange fixed-shape activations), padding with
     rows of pad tokens that carry no response tokens. ``segment_multiple`` gives each packed
     sequence a slot of a multiple of that many tokens (THD context parallelism splits every
-    sequence into ``2 * cp`` equal chunks).
+    sequence into ``2 * cp`` equal chunks). ``vision`` (a vision-language model's ``VisionSpec``):
+    ``position_ids`` are ``[3, B, S]`` multimodal positions and the sequences' images come along.
     """
     sequences = [batch.tokens[i] for i in indices]
     prompts = [batch.prompt_lengths[i] for i in indices]
@@ -239,6 +264,9 @@ def build_micro_batch(
         slot_positions, slot_targets = _response_slots(start, sequence, prompt)
         positions.append(slot_positions)
         targets.append(slot_targets)
+    images = {}
+    if vision is not None:
+        position_ids, images = _multimodal_inputs(batch, indices, placements, position_ids, vision)
     attention_mask = packed_seq_params = None
     if packing:
         if width > offset:  # the padding tail attends only to itself
@@ -257,7 +285,29 @@ def build_micro_batch(
         response_lengths=[s.numel() - p for s, p in zip(sequences, prompts)],
         placements=placements,
         routing=None if batch.routing is None else _routing_rows(batch, indices, placements, rows, width),
+        **images,
     )
+
+
+def _multimodal_inputs(batch: SequenceBatch, indices: list[int], placements: list[tuple[int, int]],
+                       position_ids: torch.Tensor, vision) -> tuple[torch.Tensor, dict]:
+    """``[3, B, S]`` positions (each sequence's multimodal ones in its place, padding counting up on all three
+    axes) and the micro-batch's images in sequence order."""
+    from rlmega.models.vision_language import mrope_positions
+
+    multimodal = position_ids.unsqueeze(0).repeat(3, 1, 1)
+    flat = multimodal.view(3, -1)
+    pixels, grids = [], []
+    for index, (start, length) in zip(indices, placements):
+        images = batch.images[index] if batch.images is not None else None
+        grid = images.grid_thw if images is not None else None
+        flat[:, start:start + length] = mrope_positions(batch.tokens[index], grid, vision)
+        if images is not None:
+            pixels.append(images.pixel_values)
+            grids.append(images.grid_thw)
+    if not pixels:
+        return multimodal, {}
+    return multimodal, {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.cat(grids)}
 
 
 def _routing_rows(batch: SequenceBatch, indices: list[int], placements: list[tuple[int, int]], rows: int,

@@ -173,6 +173,9 @@ class WorkerConfig:
     freeze_moe_router: bool = False
     """Keep the MoE routers' weights fixed (no gradient, not updated): a common choice for RL on MoE
     models, whose routing otherwise drifts between rollout and training."""
+    freeze_vision: bool = True
+    """A vision-language model's vision tower (patch embedding, blocks, merger) stays fixed: the common choice
+    in RL, where the language model learns to read what the tower sees."""
     router_replay: str = "none"
     """MoE routing replay (``rlmega.workers.routing``): ``none``; ``r2``: the old-log-prob pass records
     every token's experts and the update replays them; ``r3``: the batch's routing (from the rollout

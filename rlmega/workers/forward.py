@@ -30,7 +30,7 @@ def sequence_logprobs(chunks: list, spec: ModelSpec, sequences: list[torch.Tenso
     head = logprob_head(spec.vocab_size, DEFAULT_CHUNK_TOKENS)
     results = []
     for index, sequence in enumerate(sequences):
-        micro_batch = build_micro_batch(batch, [index], packing=False, pad_to_multiple=multiple)
+        micro_batch = build_micro_batch(batch, [index], packing=False, pad_to_multiple=multiple, vision=spec.vision)
         if cp > 1:
             micro_batch = split_micro_batch(micro_batch, cp, ps.get_context_parallel_rank())
         with torch.no_grad():

@@ -67,6 +67,14 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, config: WorkerConfig) -
         **config.memory_settings(), **replay,
     )
     models = build_chunks(spec, layout, transformer_config)
+    if spec.vision is not None:
+        if layout.cp > 1:
+            raise ValueError("context parallelism with a vision-language model is not supported yet (the image "
+                             "features would have to follow each rank's share of the sequence); use cp=1")
+        if config.freeze_vision:
+            for model in models:
+                if model.visual is not None:
+                    model.visual.requires_grad_(False)
     if config.freeze_moe_router:
         if not spec.num_experts:
             raise ValueError("freeze_moe_router needs a MoE model; this one has no experts")

@@ -49,6 +49,7 @@ def run_schedule(chunks: list, micro_batches: list[MicroBatch], head: Head, *, f
         output = model(
             micro_batch.tokens.to(device), micro_batch.position_ids.to(device),
             None if mask is None else mask.to(device), packed_seq_params=_on(micro_batch.packed_seq_params, device),
+            **{name: value.to(device) for name, value in micro_batch.model_inputs().items()},
         )
         if routing is not None:
             routing.after(model, micro_batch)

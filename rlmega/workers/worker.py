@@ -290,7 +290,7 @@ class MegatronWorker:
             shape = (shape[0], -(-max(shape[1], 1) // multiple) * multiple)
         micro_batches = [
             build_micro_batch(batch, group, packing=settings.packing, pad_to_multiple=multiple, shape=shape,
-                              use_thd=use_thd, segment_multiple=segment_multiple)
+                              use_thd=use_thd, segment_multiple=segment_multiple, vision=self.spec.vision)
             for group in plans[ps.get_data_parallel_rank()]
         ]
         if cp > 1:

@@ -13,74 +13,23 @@ from rlmega.models.vision_language import mrope_positions
 from rlmega.parallel.layout import ParallelLayout, destroy, initialize
 from rlmega.parallel.spawn import run_on_ranks
 
-VOCAB, IMAGE, START, END = 160, 150, 152, 153
+from vl_models import IMAGE, MERGE, VOCAB, hf_logits, image_run, save_tiny_vl, vl_cases
+
 LOGITS_ATOL = 1e-4  # fp32
 TIMEOUT_S = 240
-PATCH, TEMPORAL, MERGE = 4, 2, 2
-
-
-def _config():
-    from transformers import Qwen2_5_VLConfig
-
-    return Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, bos_token_id=1, eos_token_id=2),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
-                           patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL, window_size=16,
-                           fullatt_block_indexes=[1]),
-        image_token_id=IMAGE, video_token_id=151, vision_start_token_id=START, vision_end_token_id=END,
-        architectures=["Qwen2_5_VLForConditionalGeneration"])
-
-
-def _image_run(grid):
-    t, h, w = grid
-    return [START] + [IMAGE] * (t * h * w // MERGE**2) + [END]
-
-
-def _cases():
-    """(input ids [1, L], pixel values or None, grid_thw or None): text only; one image; two images of other sizes."""
-    generator = torch.Generator().manual_seed(4)
-
-    def text(n):
-        return torch.randint(3, 140, (n,), generator=generator).tolist()
-
-    def pixels(grids):
-        patches = sum(t * h * w for t, h, w in grids)
-        return torch.randn(patches, 3 * TEMPORAL * PATCH * PATCH, generator=generator)
-
-    one, two = [(1, 4, 4)], [(1, 4, 8), (1, 8, 4)]
-    return [
-        (torch.tensor([text(12)]), None, None),
-        (torch.tensor([text(3) + _image_run(one[0]) + text(5)]), pixels(one), torch.tensor(one)),
-        (torch.tensor([text(2) + _image_run(two[0]) + text(3) + _image_run(two[1]) + text(5)]), pixels(two),
-         torch.tensor(two)),
-    ]
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
     directory = tmp_path_factory.mktemp("qwen2_5_vl")
-    torch.manual_seed(0)
-    model = Qwen2_5_VLForConditionalGeneration._from_config(_config(), attn_implementation="eager").float().eval()
-    with torch.no_grad():  # random norms and biases, so a dropped or swapped one shows
-        for name, param in model.named_parameters():
-            if param.dim() == 1:
-                param.copy_(1.0 + 0.1 * torch.randn_like(param) if "norm" in name or "ln_q" in name
-                            else 0.1 * torch.randn_like(param))
-    model.save_pretrained(directory)
+    model = save_tiny_vl(directory)
+    vision = model_spec_from_hf(directory).vision
     references = []
-    with torch.no_grad():
-        for ids, pixels, grid in _cases():
-            kwargs = {} if pixels is None else dict(pixel_values=pixels, image_grid_thw=grid,
-                                                    mm_token_type_ids=(ids == IMAGE).int())
-            references.append(model(input_ids=ids, **kwargs).logits[0])
-            if pixels is not None:
-                positions, _ = model.model.get_rope_index(ids, (ids == IMAGE).int(), image_grid_thw=grid)
-                assert torch.equal(mrope_positions(ids[0], grid, model_spec_from_hf(directory).vision),
-                                   positions[:, 0])
+    for ids, pixels, grid in vl_cases():
+        references.append(hf_logits(model, ids, pixels, grid))
+        if pixels is not None:
+            positions, _ = model.model.get_rope_index(ids, (ids == IMAGE).int(), image_grid_thw=grid)
+            assert torch.equal(mrope_positions(ids[0], grid, vision), positions[:, 0])
     return directory, references
 
 
@@ -95,7 +44,7 @@ def _forward(rank, world_size, layout, hf_dir, sequence_parallel):
         chunk.eval()
     load_hf_weights(chunks, spec, hf_dir)
     logits = []
-    for ids, pixels, grid in _cases():
+    for ids, pixels, grid in vl_cases():
         def forward_step(iterator, model):
             batch = next(iterator)
             positions = mrope_positions(batch[0], grid, spec.vision).unsqueeze(1)
@@ -149,7 +98,7 @@ def test_the_spec_reads_the_vision_side(checkpoint):
 def test_image_tokens_and_grids_that_disagree_are_refused(checkpoint):
     directory, _ = checkpoint
     vision = model_spec_from_hf(directory).vision
-    ids = torch.tensor([5] + _image_run((1, 4, 4)) + [6])
+    ids = torch.tensor([5] + image_run((1, 4, 4)) + [6])
     with pytest.raises(ValueError, match="more image tokens"):
         mrope_positions(ids, None, vision)
     with pytest.raises(ValueError, match="fewer image tokens"):
