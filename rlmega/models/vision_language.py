@@ -22,6 +22,8 @@ from typing import Any, Optional
 
 import torch
 
+VISION_LANGUAGE_MODEL_TYPES = ("qwen2_5_vl",)
+"""transformers ``model_type`` of the vision-language models rlmega runs."""
 VISION_PREFIX = "visual."
 """The tower's parameters are named ``visual.<transformers' name>``, as Qwen2.5-VL checkpoints store them."""
 

@@ -15,12 +15,14 @@ import threading
 from collections.abc import Iterable, Sequence
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, DynamicCache, PreTrainedModel
 
 from rlmega.rollout.engine_common import WeightBook, check_requests, paused_generations, serialised
 from rlmega.rollout.hf_routing import RoutingRecorder, routing_or_none
 from rlmega.rollout.hf_weights import HFWeightMap, WeightTarget
+from rlmega.models.vision_language import VISION_LANGUAGE_MODEL_TYPES, mrope_positions, vision_spec_from_hf
 from rlmega.rollout.protocol import Generation, SamplingParams
+from rlmega.workers.batching import ImageInputs
 from rlmega.rollout.sampling import RowSampling, request_generator, select_next_tokens
 
 PAD_TOKEN_ID = 0  # left padding is masked out, so any in-vocabulary id works
@@ -52,7 +54,9 @@ class HFEngine:
                  weight_noise_std: float = 0.0, record_routing: bool = False):
         if isinstance(model, (str, os.PathLike)):
             extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
-            model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, **extra)
+            vision_language = AutoConfig.from_pretrained(model).model_type in VISION_LANGUAGE_MODEL_TYPES
+            loader = AutoModelForImageTextToText if vision_language else AutoModelForCausalLM
+            model = loader.from_pretrained(model, dtype=dtype, **extra)
         elif model.dtype != dtype:
             model = model.to(dtype)
         self.device = torch.device(device)
@@ -61,6 +65,8 @@ class HFEngine:
         self.vocab_size: int = self.model.get_input_embeddings().num_embeddings
         self.max_positions: int | None = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         self._weights = HFWeightMap(self.model)
+        self.vision = (vision_spec_from_hf(self.model.config.to_dict())
+                       if self.model.config.model_type in VISION_LANGUAGE_MODEL_TYPES else None)
         # transformers renamed the forward's cache argument from past_key_values to cache during 5.x.
         forward_args = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
@@ -82,19 +88,20 @@ class HFEngine:
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, prompts: list[list[int]],
-                 params: SamplingParams | Sequence[SamplingParams]) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams | Sequence[SamplingParams],
+                 images: Sequence[ImageInputs | None] | None = None) -> list[Generation]:
         """See ``RolloutEngine.generate``. All responses are decoded together, one token per step; a pause
-        takes effect before the next step."""
+        takes effect before the next step. ``images``: a vision-language model's images of each prompt (None:
+        text only), their pad tokens already in the prompt."""
         if self._paused.is_set():  # at once, even while an update holds the lock
             return paused_generations(check_requests(prompts, params, self.vocab_size, self.max_positions),
                                       self._book.version)
         with self._lock:
-            return self._generate(prompts, params)
+            return self._generate(prompts, params, images)
 
     @torch.inference_mode()
-    def _generate(self, prompts: list[list[int]],
-                  params: SamplingParams | Sequence[SamplingParams]) -> list[Generation]:
+    def _generate(self, prompts: list[list[int]], params: SamplingParams | Sequence[SamplingParams],
+                  images: Sequence[ImageInputs | None] | None) -> list[Generation]:
         self._book.check_ready()
         per_prompt = check_requests(prompts, params, self.vocab_size, self.max_positions)
         requests = [(i, j) for i, p in enumerate(per_prompt) for j in range(p.n)]
@@ -106,6 +113,11 @@ class HFEngine:
             self.vocab_size, self.device)
         input_ids, attention_mask = left_pad([prompts[i] for i, _ in requests], self.device)
         position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)  # pads sit at 0; they are masked
+        inputs = {}
+        if self.vision is not None:
+            position_ids, inputs = self._multimodal_prefill(prompts, images, requests, position_ids)
+        elif images is not None and any(item is not None for item in images):
+            raise ValueError(f"images given, but this {self.model.config.model_type} model takes text only")
         cache = DynamicCache(config=self.model.config)
 
         responses: list[list[int]] = [[] for _ in requests]
@@ -114,22 +126,47 @@ class HFEngine:
         stop_sets = [set(p.stop_token_ids) for p in row_params]
         with self._routing if self._routing is not None else contextlib.nullcontext():
             self._decode(input_ids, attention_mask, position_ids, cache, rows, row_params, stop_sets, responses,
-                         logprobs, finish)
+                         logprobs, finish, inputs)
         routing = routing_or_none(self._routing, len(requests), [len(prompts[i]) for i, _ in requests],
                                   [len(response) for response in responses])
         return [Generation(prompt_index=i, response_token_ids=responses[row], logprobs=logprobs[row],
                            finish_reason=finish[row], weight_version=self._book.version, routing=routing[row])
                 for row, (i, _) in enumerate(requests)]
 
+    def _multimodal_prefill(self, prompts, images, requests, position_ids):
+        """A vision-language model's ``[3, B, L]`` positions of the left-padded prompts and the rows' images
+        (each sample of a prompt gets its own copy), for the first forward pass."""
+        images = list(images) if images is not None else [None] * len(prompts)
+        if len(images) != len(prompts):
+            raise ValueError(f"{len(images)} image entries for {len(prompts)} prompts")
+        multimodal = position_ids.unsqueeze(0).repeat(3, 1, 1)
+        pixels, grids = [], []
+        for row, (i, _) in enumerate(requests):
+            item = images[i]
+            positions = mrope_positions(torch.tensor(prompts[i]), None if item is None else item.grid_thw, self.vision)
+            multimodal[:, row, multimodal.shape[-1] - positions.shape[1]:] = positions.to(self.device)
+            if item is not None:
+                pixels.append(item.pixel_values)
+                grids.append(item.grid_thw)
+        if not pixels:
+            return multimodal, {}
+        return multimodal, {"pixel_values": torch.cat(pixels).to(self.device, self.dtype),
+                            "image_grid_thw": torch.cat(grids).to(self.device)}
+
     def _decode(self, input_ids, attention_mask, position_ids, cache, rows, row_params, stop_sets, responses,
-                logprobs, finish) -> None:
-        """One token per row per step until every row stopped, reached its length, or a pause came."""
+                logprobs, finish, inputs=None) -> None:
+        """One token per row per step until every row stopped, reached its length, or a pause came. ``inputs``:
+        what the first step also takes (a vision-language model's images)."""
+        inputs = dict(inputs or {})
+        if position_ids.dim() == 3:  # multimodal: text after the prompt continues from its largest position
+            next_position = position_ids.amax(dim=(0, 2)).view(1, -1, 1) + 1
         for _ in range(max(p.max_new_tokens for p in row_params)):
             if self._paused.is_set():
                 finish[:] = [reason or "abort" for reason in finish]
                 break
             logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                use_cache=True, logits_to_keep=1, **{self._cache_arg: cache}).logits[:, -1]
+                                use_cache=True, logits_to_keep=1, **{self._cache_arg: cache}, **inputs).logits[:, -1]
+            inputs = {}
             tokens, token_logprobs = select_next_tokens(logits, rows)
             for row, (token, logprob) in enumerate(zip(tokens.tolist(), token_logprobs.tolist())):
                 if finish[row] is not None:
@@ -144,7 +181,10 @@ class HFEngine:
                 break
             input_ids = tokens[:, None]
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(responses), 1))], dim=-1)
-            position_ids = position_ids[:, -1:] + 1
+            if position_ids.dim() == 3:
+                position_ids, next_position = next_position.expand(3, -1, -1), next_position + 1
+            else:
+                position_ids = position_ids[:, -1:] + 1
 
     # ------------------------------------------------------------------ weights
 

@@ -41,6 +41,9 @@ class ExpertCheckpointNames:
 QWEN_STYLE = ExpertCheckpointNames(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")
 MIXTRAL_STYLE = ExpertCheckpointNames(block="block_sparse_moe", gate="w1", up="w3", down="w2")
 CHECKPOINT_NAMES_BY_MODEL_TYPE = {"mixtral": MIXTRAL_STYLE, "minimax": MIXTRAL_STYLE}
+# transformers 5 holds Qwen2.5-VL's language model and vision tower under these paths; checkpoints (and
+# rlmega's export) name them ``model.*`` and ``visual.*``.
+PREFIX_RENAMES_BY_MODEL_TYPE = {"qwen2_5_vl": {"model.language_model": "model", "model.visual": "visual"}}
 
 
 def _has_split_expert_layout(experts: nn.Module) -> bool:
@@ -85,8 +88,9 @@ class HFWeightMap:
         self.shapes: dict[str, tuple[int, ...]] = {name: tuple(t.shape) for name, t in self.tensors.items()}
 
         experts_modules = _fused_experts_modules(model)
-        # In-memory MoE block path -> its on-disk path, where they differ (Mixtral: "mlp" is "block_sparse_moe").
-        block_renames = {}
+        # In-memory MoE block path -> its on-disk path, where they differ (Mixtral: "mlp" is "block_sparse_moe";
+        # a vision-language model keeps its parts under other prefixes in memory than on disk).
+        block_renames = dict(PREFIX_RENAMES_BY_MODEL_TYPE.get(self.model_type, {}))
         for path in experts_modules:
             memory_block = path.rpartition(".")[0]
             layer = memory_block.rpartition(".")[0]
