@@ -18,6 +18,7 @@ INSTALL_REQUIRES = [
     "psutil>=5.9",  # dist_checkpointing's writer processes require it
     "matplotlib>=3.8,<4",  # the trainer's reward_curve.png (tested with 3.11)
     "tensorboard>=2.14,<3",  # the trainer's tensorboard metrics backend (tested with 2.21)
+    "pillow>=10,<14",  # images of vision-language datasets (tested with 13.0)
 ]
 
 EXTRAS_REQUIRE = {

@@ -49,16 +49,20 @@ def expected_tensors(hf_base: Path, config: dict) -> dict[str, tuple[int, ...]]:
     """{name: shape} of the safetensors that transformers' ``save_pretrained`` writes for the model
     ``config.json`` describes: the model is instantiated on the meta device (no memory), and
     transformers' own save-time conversion gives the on-disk names (per-expert MoE keys)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.utils import logging as hf_logging
+
+    from rlmega.models.vision_language import VISION_LANGUAGE_MODEL_TYPES
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity(logging.ERROR)
     try:
         hf_config = AutoConfig.from_pretrained(hf_base)
+        loader = (AutoModelForImageTextToText if hf_config.model_type in VISION_LANGUAGE_MODEL_TYPES
+                  else AutoModelForCausalLM)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config)
+            model = loader.from_config(hf_config)
         state = revert_weight_conversion(model, model.state_dict())
     except Exception as error:  # transformers' config validators raise several types
         cause = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 HELP = "supervised fine-tuning on the dataset's ground-truth answers (the RL warm-start, run alone)"
 
@@ -30,9 +29,9 @@ def run(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, args.overrides, check=False)
     if config.tiny_assets:
-        from rlmega.trainer.assets import prepare_tiny_assets
+        from rlmega.trainer.assets import prepare_run_assets
 
-        prepare_tiny_assets(Path(config.run_dir) / "assets", max_operand=config.tiny_assets_max_operand)
+        prepare_run_assets(config)
     validate(config)
     if config.trainer.sft_steps < 1:
         raise ConfigError("trainer.sft_steps: rlmega sft needs at least one step")

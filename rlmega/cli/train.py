@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 HELP = "run RL training (GRPO, DAPO, PPO, REINFORCE++, RLOO) from a config"
 QUICKSTART_HELP = "the tiny GRPO run on CPU, built locally (the same as 'rlmega train --config tiny_cpu')"
@@ -57,14 +56,9 @@ def run(args: argparse.Namespace) -> int:
         print(to_yaml(config))
         return 0
     if config.tiny_assets:
-        from rlmega.trainer.assets import prepare_tiny_assets
+        from rlmega.trainer.assets import prepare_run_assets
 
-        prepare_tiny_assets(Path(config.run_dir) / "assets", max_operand=config.tiny_assets_max_operand)
-        if config.tiny_reward_model:
-            from rlmega.trainer.tiny_reward_model import prepare_tiny_reward_model
-
-            policy = config.model.tokenizer_path or config.model.path
-            prepare_tiny_reward_model(config.reward_model.path, policy_dir=policy, train_files=config.data.files)
+        prepare_run_assets(config)
     validate(config)
     from rlmega.trainer.build import run as run_training
 

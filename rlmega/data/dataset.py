@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from rlmega.data.files import read_rows
+from rlmega.data.images import place_images, read_images
 from rlmega.data.schema import DataFormatError, Message, PromptRecord, parse_row
 from rlmega.errors import UserError
 
@@ -36,6 +37,12 @@ class DataConfig:
     """Extra variables for the chat template (e.g. ``{"enable_thinking": False}``)."""
     prompt_key: str = "prompt"
     """The column holding the prompt."""
+    image_key: str = "images"
+    """A vision-language model's: the column holding each row's images (``rlmega/data/images.py``)."""
+    min_pixels: Optional[int] = None
+    """A vision-language model's: images smaller than this (height x width) are scaled up (None: the processor's)."""
+    max_pixels: Optional[int] = None
+    """A vision-language model's: images larger than this are scaled down (None: the processor's)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.files, (str, os.PathLike)):
@@ -69,7 +76,10 @@ class PromptDataset:
     of the config section ``config_key`` (``data`` or ``val_data``) that would fix it.
     """
 
-    def __init__(self, config: DataConfig, tokenizer: Any, *, config_key: str = "data"):
+    def __init__(self, config: DataConfig, tokenizer: Any, *, config_key: str = "data", processor: Any = None):
+        """``processor``: a vision-language model's ``rlmega.data.images.ImagePrompts``; rows' images are then
+        read and processed, and each record carries them (``PromptRecord.images``)."""
+        self.processor = processor
         if not config.files:
             raise ValueError("DataConfig.files: at least one dataset file is required")
         self.config = config
@@ -96,6 +106,8 @@ class PromptDataset:
             raise DataFormatError(f"{path}: no rows (the file is empty); each file of {key}.files needs at least one "
                                   "prompt row")
         parsed = [parse_row(row, path, row_number, config.prompt_key, key) for row_number, row in enumerate(rows)]
+        # A vision-language model's images, their <image> placeholders replaced by the model's markup.
+        images = self._images(rows, parsed, path) if self.processor is not None else [None] * len(rows)
         texts = [
             prompt_text(row.messages, tokenizer, config.use_chat_template, config.chat_template_kwargs)
             for row in parsed
@@ -104,10 +116,17 @@ class PromptDataset:
         for start in range(0, len(texts), _ENCODE_CHUNK):
             encoded = tokenizer(texts[start:start + _ENCODE_CHUNK], add_special_tokens=not config.use_chat_template)
             token_ids.extend(list(ids) for ids in encoded["input_ids"])
+        for row_number, pictures in enumerate(images):
+            if pictures:
+                token_ids[row_number], images[row_number] = self.processor(
+                    texts[row_number], pictures, min_pixels=config.min_pixels, max_pixels=config.max_pixels,
+                    add_special_tokens=not config.use_chat_template)
+            else:
+                images[row_number] = None
         for row_number, (row, ids) in enumerate(zip(parsed, token_ids)):
             if not ids:
                 raise DataFormatError(f"{path} row {row_number}: the prompt tokenizes to no tokens")
-            ids = self._fit_length(ids, path, row_number)
+            ids = self._fit_length(ids, path, row_number, with_images=images[row_number] is not None)
             if ids is None:
                 continue
             self.records.append(PromptRecord(
@@ -120,15 +139,34 @@ class PromptDataset:
                 extra_info=row.extra_info,
                 source_file=path,
                 source_row=row_number,
+                images=images[row_number],
             ))
 
-    def _fit_length(self, ids: list[int], path: str, row_number: int) -> list[int] | None:
+    def _images(self, rows: list, parsed: list, path: str) -> list[list]:
+        """Each row's images (read, their placeholders in the parsed messages replaced by the image markup)."""
+        key, base = self.config.image_key, os.path.dirname(os.path.abspath(path))
+        markup = self.processor.markup
+        images = []
+        for row_number, (row, parsed_row) in enumerate(zip(rows, parsed)):
+            where = f"{path} row {row_number}"
+            pictures = read_images(row.get(key) if isinstance(row, dict) else None, where, base)
+            parsed_row.messages = place_images(parsed_row.messages, len(pictures), where, markup)
+            images.append(pictures)
+        return images
+
+    def _fit_length(self, ids: list[int], path: str, row_number: int, with_images: bool = False) -> list[int] | None:
         limit, key = self.config.max_prompt_length, self.config_key
         if len(ids) <= limit:
             return ids
         if self.config.filter_overlong_prompts:
             self.num_filtered += 1
             return None
+        if with_images:  # cutting would separate image pad tokens from their image
+            raise DataFormatError(
+                f"{path} row {row_number}: the prompt with its images is {len(ids)} tokens, longer than "
+                f"{key}.max_prompt_length={limit}, and a prompt with images cannot be truncated; set "
+                f"{key}.max_pixels lower (fewer tokens per image), {key}.filter_overlong_prompts=true, or raise "
+                f"{key}.max_prompt_length")
         if self.config.truncation == "error":
             raise DataFormatError(
                 f"{path} row {row_number}: the prompt is {len(ids)} tokens, longer than "
@@ -157,18 +195,18 @@ class PromptDataset:
 _LOADED: dict[tuple, PromptDataset] = {}
 
 
-def load_prompts(config: DataConfig, tokenizer: Any, *, config_key: str = "data") -> PromptDataset:
+def load_prompts(config: DataConfig, tokenizer: Any, *, config_key: str = "data", processor: Any = None) -> PromptDataset:
     """``PromptDataset(config, tokenizer)``, read and tokenized once per process: the start-up checks and
     the run then share one copy. Reused only for the same settings, tokenizer and files unchanged on
     disk (size and modification time)."""
     try:
         files = tuple((path, os.stat(path).st_size, os.stat(path).st_mtime_ns) for path in config.files)
     except OSError:  # let PromptDataset name the missing file
-        return PromptDataset(config, tokenizer, config_key=config_key)
+        return PromptDataset(config, tokenizer, config_key=config_key, processor=processor)
     key = (repr(config), config_key, getattr(tokenizer, "name_or_path", None), len(tokenizer),
            getattr(tokenizer, "chat_template", None), files)
-    if key[2] is None:
-        return PromptDataset(config, tokenizer, config_key=config_key)
+    if key[2] is None or processor is not None:  # images are not kept between runs
+        return PromptDataset(config, tokenizer, config_key=config_key, processor=processor)
     if key not in _LOADED:
         if len(_LOADED) >= 8:
             _LOADED.clear()

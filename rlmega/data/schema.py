@@ -46,6 +46,9 @@ class PromptRecord:
     extra_info: dict[str, Any] = field(default_factory=dict)
     source_file: str = ""
     source_row: int = -1
+    images: Any = None
+    """A vision-language prompt's images as the model takes them (``rlmega.workers.batching.ImageInputs``), their
+    pad tokens in ``prompt_token_ids``; None: text only."""
 
 
 @dataclass

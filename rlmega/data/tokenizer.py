@@ -24,12 +24,18 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_char_tokenizer():
-    """The character tokenizer as a ``transformers.PreTrainedTokenizerFast`` (ids: specials first, then chars)."""
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+"""Qwen2.5-VL's image markup, after the characters (so a text model's ids stay as they are)."""
+
+
+def build_char_tokenizer(vision: bool = False):
+    """The character tokenizer as a ``transformers.PreTrainedTokenizerFast`` (ids: specials first, then chars;
+    with ``vision``, the image markup tokens of a vision-language model after them)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: token_id for token_id, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    extra = VISION_TOKENS if vision else ()
+    vocab = {token: token_id for token_id, token in enumerate(SPECIAL_TOKENS + CHARACTERS + extra)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
@@ -43,9 +49,11 @@ def build_char_tokenizer():
         eos_token=EOS,
         pad_token=PAD,
         unk_token=UNK,
-        additional_special_tokens=list(ROLE_TOKENS),
+        additional_special_tokens=list(ROLE_TOKENS + extra),
         clean_up_tokenization_spaces=False,
     )
+    if vision:
+        tokenizer.image_token, tokenizer.vision_start_token, tokenizer.vision_end_token = extra[1], extra[0], extra[2]
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 

@@ -40,9 +40,10 @@ class RemoteEngine:
         self.actor = actor
         self.bucket_bytes = bucket_bytes
 
-    def generate(self, prompts: list[list[int]],
-                 params: SamplingParams | Sequence[SamplingParams]) -> list[Generation]:
-        return ray.get(self.actor.generate.remote(prompts, params))
+    def generate(self, prompts: list[list[int]], params: SamplingParams | Sequence[SamplingParams],
+                 images=None) -> list[Generation]:
+        extra = {} if images is None else {"images": images}
+        return ray.get(self.actor.generate.remote(prompts, params, **extra))
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         # A generator cannot cross processes: the stream travels in buckets of about bucket_bytes,

@@ -264,13 +264,15 @@ class AsyncRollouts:
             work, self._pending = self._pending[:share], self._pending[share:]
             if not work:
                 break
-            prompts, params = [], []
+            prompts, params, images = [], [], []
             for group, sample in work:
                 response = group.responses[sample]
                 start = group.record.prompt_token_ids if response.agent is None else self.agent.context(response.agent)
                 prompts.append(start + response.tokens)
                 params.append(self._params(group, sample, response))
-            future = _as_future(self.engines.submit(engine, prompts, params))
+                images.append(group.record.images)
+            extra = {"images": images} if any(item is not None for item in images) else {}
+            future = _as_future(self.engines.submit(engine, prompts, params, **extra))
             self._in_flight[future] = (engine, work, time.perf_counter())
 
     def _params(self, group: _Group, sample: int, response: _Response) -> SamplingParams:

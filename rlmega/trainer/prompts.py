@@ -73,6 +73,20 @@ class Group:
     """Per response, the weight version of every token, when it is not one version per response."""
 
 
+def _processor(config: RLConfig, tokenizer):
+    """A vision-language model's image processing (``rlmega.data.images.ImagePrompts``); None for a text model."""
+    from transformers import AutoConfig
+
+    from rlmega.data.images import ImagePrompts
+    from rlmega.models.vision_language import VISION_LANGUAGE_MODEL_TYPES
+
+    if AutoConfig.from_pretrained(config.model.path).model_type not in VISION_LANGUAGE_MODEL_TYPES:
+        return None
+    if config.agent.enabled:
+        raise UserError("agent.enabled: multi-turn rollouts with a vision-language model are not supported yet")
+    return ImagePrompts(config.model.tokenizer_path or config.model.path, tokenizer)
+
+
 def _seed(base: int, step: int, round_index: int) -> int:
     return (base * 1_000_003 + step * 7_919 + round_index * 104_729) % (2**31)
 
@@ -91,8 +105,11 @@ class PromptSource:
 
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
-        self.dataset = load_prompts(config.data, self.tokenizer)  # as validate read them: once per process
-        self.val_dataset = (load_prompts(config.val_data, self.tokenizer, config_key="val_data")
+        self.processor = _processor(config, self.tokenizer)
+        """A vision-language model's processor (its images' pixels and pad tokens); None for text models."""
+        self.dataset = load_prompts(config.data, self.tokenizer, processor=self.processor)  # once per process
+        self.val_dataset = (load_prompts(config.val_data, self.tokenizer, config_key="val_data",
+                                         processor=self.processor)
                             if config.trainer.val_every else None)
         self.sampler = StatefulSampler(len(self.dataset), config.trainer.prompts_per_step, seed=config.trainer.seed)
         self.rewards = build_reward_manager(config, self.tokenizer, reward_model=reward_model, judge=judge)
@@ -122,7 +139,10 @@ class PromptSource:
         """``params.n`` responses per record, prompt-major: one generation each, or the agent loop's trajectories."""
         if self.agent is not None:
             return self.agent.run(engines, records, params)
-        return engines.generate([record.prompt_token_ids for record in records], params)
+        prompts = [record.prompt_token_ids for record in records]
+        if any(record.images is not None for record in records):
+            return engines.generate(prompts, params, images=[record.images for record in records])
+        return engines.generate(prompts, params)
 
     def sampling_params(self, *, temperature: float, n: int, seed: Optional[int]) -> SamplingParams:
         rollout = self.config.rollout
@@ -257,8 +277,10 @@ class PromptSource:
 
             turn_rewards = [torch.tensor(turn_reward_tokens(g), dtype=torch.float32)
                             for group in kept for g in group.generations]
+        images = [group.record.images for group in kept for _ in group.generations]
         return Rollouts(
-            batch=SequenceBatch(tokens, prompts, temperature=self.config.rollout.temperature, routing=routing),
+            batch=SequenceBatch(tokens, prompts, temperature=self.config.rollout.temperature, routing=routing,
+                                images=images if any(item is not None for item in images) else None),
             scores=torch.tensor(scores), group_ids=group_ids, rollout_logp=logps, weight_versions=versions,
             token_versions=token_versions, prompt_indices=[group.record.index for group in kept],
             response_mask=masks if algorithm.filter_truncated or self.agent is not None else None,
@@ -308,7 +330,8 @@ class PromptSource:
                 answer = self.tokenizer.encode(str(record.ground_truth), add_special_tokens=False)
                 tokens.append(torch.tensor(record.prompt_token_ids + answer + list(self.stop_token_ids)))
                 prompts.append(len(record.prompt_token_ids))
-            yield SequenceBatch(tokens, prompts)
+            images = [record.images for record in records]
+            yield SequenceBatch(tokens, prompts, images=images if any(item is not None for item in images) else None)
 
     def _demonstrated(self, records: Sequence[PromptRecord], demonstration) -> SequenceBatch:
         """The agent's trajectories with ``agent.demonstration``'s turns, masked to train on those turns only."""
@@ -328,8 +351,13 @@ class PromptSource:
                                                        for t in trajectories]})
 
     def probes(self) -> list[list[int]]:
-        """Prompts the post-sync check generates from."""
-        return [record.prompt_token_ids for record in self.dataset.batch([0, 1])]
+        """Prompts the post-sync check generates from: text only (a vision-language prompt without its image
+        markup), so the check compares the language model's weights; the vision tower is not probed."""
+        prompts = [record.prompt_token_ids for record in self.dataset.batch([0, 1])]
+        if self.processor is None:
+            return prompts
+        markup = set(self.tokenizer.encode(self.processor.markup, add_special_tokens=False))
+        return [[token for token in prompt if token not in markup] for prompt in prompts]
 
     def state_dict(self) -> dict:
         return {"sampler": self.sampler.state_dict()}

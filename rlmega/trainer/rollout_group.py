@@ -55,15 +55,17 @@ class RolloutGroup:
                            max(self.timeout_s, 300.0), "starting engines")
         self.nodes = [{"engine": index, "node_id": node, "ip": ip} for index, (node, ip) in enumerate(located)]
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """Responses of all prompts, prompt-major; prompts are split into contiguous shares per engine."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, images=None) -> list[Generation]:
+        """Responses of all prompts, prompt-major; prompts are split into contiguous shares per engine.
+        ``images``: a vision-language model's, per prompt (``ImageInputs`` or None)."""
         shares = _contiguous_shares(len(prompts), len(self.actors))
         refs, names = [], []
         for index, (start, stop) in enumerate(shares):
             if stop > start:
                 # Each engine gets its own seed so two engines never draw the same samples.
                 engine_params = params if params.seed is None else _with_seed(params, params.seed + 7919 * index)
-                refs.append(self.actors[index].generate.remote(prompts[start:stop], engine_params))
+                extra = {} if images is None else {"images": images[start:stop]}
+                refs.append(self.actors[index].generate.remote(prompts[start:stop], engine_params, **extra))
                 names.append(self.names[index])
         answers = wait_all(refs, names, self.timeout_s, "generate")
         merged = []
@@ -78,10 +80,11 @@ class RolloutGroup:
         return len(self.actors)
 
     def submit(self, engine_index: int, prompts: list[list[int]],
-               params: SamplingParams | list[SamplingParams]) -> ray.ObjectRef:
+               params: SamplingParams | list[SamplingParams], images=None) -> ray.ObjectRef:
         """Start ``generate(prompts, params)`` on one engine and return at once: a ``ray.ObjectRef`` to its
         ``list[Generation]`` (``prompt_index`` into ``prompts``). Seeds are used as given."""
-        return self.actors[engine_index].generate.remote(prompts, params)
+        extra = {} if images is None else {"images": images}
+        return self.actors[engine_index].generate.remote(prompts, params, **extra)
 
     def pause_generation(self) -> None:
         """Every engine interrupts its running ``generate`` calls (their unfinished responses come back
