@@ -353,7 +353,7 @@ class RLConfig:
     tiny_assets_max_operand: int = 9
     """With ``tiny_assets``: the arithmetic data's largest operand (9: single digits)."""
     tiny_vision: bool = False
-    """With ``tiny_assets``: build a tiny vision-language model (Qwen2.5-VL) and a square-counting task on images
+    """With ``tiny_assets``: build a tiny vision-language model (Qwen2.5-VL) and a colour-naming task on images
     instead (``configs/tiny_cpu_vlm.yaml``)."""
     tiny_reward_model: bool = False
     """With ``tiny_assets``: also fit the quickstart's tiny reward model to the rule reward of the training

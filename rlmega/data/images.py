@@ -93,7 +93,19 @@ class ImagePrompts:
         expanded = pieces[0] + "".join(self.image_token * int(grid.prod() // self.merge**2) + piece
                                        for grid, piece in zip(grids, pieces[1:]))
         ids = self.tokenizer(expanded, add_special_tokens=add_special_tokens)["input_ids"]
-        return list(ids), ImageInputs(encoded["pixel_values"].float(), grids)
+        return list(ids), ImageInputs(encoded["pixel_values"].float(), grids, self._resized(images, grids))
+
+    def _resized(self, images: list, grids) -> list[bytes]:
+        """Each image resized as the processor resized it (to its grid, with its resampling) and PNG-encoded
+        (lossless): an engine's own processor then keeps the size, so it makes the same grid and patches."""
+        patch = int(getattr(self.image_processor, "patch_size", 14))
+        resample = getattr(self.image_processor, "resample", None)
+        encoded = []
+        for image, (_, height, width) in zip(images, grids.tolist()):
+            buffer = io.BytesIO()
+            image.resize((width * patch, height * patch), resample=resample).save(buffer, format="PNG")
+            encoded.append(buffer.getvalue())
+        return encoded
 
 
 def _image_processor(model_path: str):

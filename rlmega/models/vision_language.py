@@ -53,11 +53,22 @@ def vision_spec_from_hf(hf: dict[str, Any]) -> VisionSpec:
                       spatial_merge_size=int(vision.get("spatial_merge_size", 2)))
 
 
-def mrope_positions(input_ids: torch.Tensor, image_grid_thw: Optional[torch.Tensor], vision: VisionSpec) -> torch.Tensor:
+def image_token_mask(input_ids: torch.Tensor, vision: VisionSpec, prompt_length: Optional[int] = None) -> torch.Tensor:
+    """Where a sequence's image features go: its image-pad tokens, in the prompt only (a response that happens to
+    sample the pad token holds text there, as in the engine, which embeds generated tokens as text)."""
+    mask = input_ids == vision.image_token_id
+    if prompt_length is not None:
+        mask[prompt_length:] = False
+    return mask
+
+
+def mrope_positions(input_ids: torch.Tensor, image_grid_thw: Optional[torch.Tensor], vision: VisionSpec,
+                    prompt_length: Optional[int] = None) -> torch.Tensor:
     """``[3, L]`` position ids of one sequence ``[L]``: text tokens count up on all three axes; an image's
     tokens take ``start + (0, row, column)`` of its merged grid, and the text after it continues from
-    ``start + max(rows, columns)``. ``image_grid_thw`` ``[num_images, 3]``: the sequence's images in order."""
-    is_image = (input_ids == vision.image_token_id).tolist()
+    ``start + max(rows, columns)``. ``image_grid_thw`` ``[num_images, 3]``: the sequence's images in order;
+    ``prompt_length``: image tokens are looked for before it only (``image_token_mask``)."""
+    is_image = image_token_mask(input_ids, vision, prompt_length).tolist()
     grid_list = image_grid_thw.tolist() if image_grid_thw is not None else []
     grids = iter(grid_list)
     parts, position, index = [], 0, 0
@@ -116,21 +127,22 @@ def vision_language_model_class():
             self.visual = build_vision_tower(vision) if self.pre_process else None
 
         def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, *, pixel_values=None,
-                    image_grid_thw=None, **kwargs):
+                    image_grid_thw=None, image_mask=None, **kwargs):
             if self.pre_process and decoder_input is None and pixel_values is not None:
-                decoder_input = self.embed_with_images(input_ids, pixel_values, image_grid_thw)
+                decoder_input = self.embed_with_images(input_ids, pixel_values, image_grid_thw, image_mask)
             return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, **kwargs)
 
         def embed_with_images(self, input_ids: torch.Tensor, pixel_values: torch.Tensor,
-                              image_grid_thw: torch.Tensor) -> torch.Tensor:
-            """``[S, B, H]`` (sequence-parallel: this rank's part) token embeddings with each image-pad
-            token's replaced by the tower's features, images in batch-major order as transformers fills them."""
+                              image_grid_thw: torch.Tensor, image_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+            """``[S, B, H]`` (sequence-parallel: this rank's part) token embeddings with the image tokens'
+            (``image_mask`` ``[B, S]``; None: every image-pad token) replaced by the tower's features, images
+            in batch-major order as transformers fills them."""
             embeddings = self.embedding(input_ids=input_ids, position_ids=None)
             parallel = self.config.sequence_parallel
             if parallel:  # the whole sequence, to place the images; the gradient is split back, not reduced
                 embeddings = gather_from_sequence_parallel_region(embeddings, tensor_parallel_output_grad=False)
             features = self.visual(pixel_values.to(embeddings.dtype), grid_thw=image_grid_thw).pooler_output
-            mask = input_ids == self.vision.image_token_id
+            mask = image_mask if image_mask is not None else input_ids == self.vision.image_token_id
             if int(mask.sum()) != features.shape[0]:
                 raise ValueError(f"{int(mask.sum())} image tokens but {features.shape[0]} image features "
                                  f"(image_grid_thw {image_grid_thw.tolist()})")

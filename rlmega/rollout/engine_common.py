@@ -27,6 +27,7 @@ from safetensors import safe_open
 from rlmega.rollout.protocol import EngineNotReadyError, FinishReason, Generation, SamplingParams, UnknownWeightError
 from rlmega.rollout.sampling import request_generator
 from rlmega.rollout.weight_group import DEFAULT_GROUP_NAME, WeightMeta
+from rlmega.workers.batching import ImageInputs
 
 DEFAULT_BUCKET_BYTES = 256 * 1024**2
 
@@ -70,6 +71,9 @@ class ModelFacts:
     num_layers: int = 0  # decoder layers (num_hidden_layers)
     moe_layers: tuple[int, ...] = ()  # 0-based indices of the MoE decoder layers, in order
     experts_per_token: int = 0  # top-k of the MoE layers (num_experts_per_tok)
+    image_token_id: int | None = None  # a vision-language model's image pad token (None: text only)
+    spatial_merge_size: int = 2  # vision_config: patches merged per side into one image token
+    patch_size: int = 14  # vision_config: pixels per patch side
 
     @classmethod
     def from_checkpoint(cls, directory: str | Path) -> ModelFacts:
@@ -77,6 +81,7 @@ class ModelFacts:
         config = json.loads((directory / "config.json").read_text())
         text = config.get("text_config", config)  # multimodal configs nest the language model's
         eos: set[int] = set()
+        vision = config.get("vision_config")
         for source in (text, config, _read_json(directory / "generation_config.json")):
             value = source.get("eos_token_id")
             eos.update([value] if isinstance(value, int) else value or [])
@@ -86,7 +91,10 @@ class ModelFacts:
                    tie_word_embeddings=bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", True))),
                    num_layers=text.get("num_hidden_layers", 0),
                    moe_layers=tuple(moe_layer_indices(text)),
-                   experts_per_token=text.get("num_experts_per_tok") or 0)
+                   experts_per_token=text.get("num_experts_per_tok") or 0,
+                   image_token_id=config.get("image_token_id") if vision else None,
+                   spatial_merge_size=(vision or {}).get("spatial_merge_size", 2),
+                   patch_size=(vision or {}).get("patch_size", 14))
 
 
 def moe_layer_indices(text_config: dict) -> list[int]:
@@ -217,6 +225,51 @@ def finish_response(tokens: list[int], logprobs: list[float], stop_token_ids: It
         return tokens, logprobs, "abort"
     raise RuntimeError(f"the engine ended a response after {len(tokens)} of {max_new_tokens} tokens "
                        f"without a stop token")
+
+
+def check_images(images: Sequence[ImageInputs | None] | None, prompts: list[list[int]],
+                 facts: ModelFacts, model_type: str) -> list[ImageInputs | None] | None:
+    """Per prompt its images (None: text only), or None when no prompt has any, after checking each prompt's
+    pad tokens against its images: one run of ``grid.prod() // merge**2`` pad tokens per image, in order (the
+    engines locate each image's features by these runs and raise deep inside, or misplace them, otherwise)."""
+    if images is None or all(item is None for item in images):
+        return None
+    if facts.image_token_id is None:
+        raise ValueError(f"images given, but this {model_type} model takes text only")
+    images = list(images)
+    if len(images) != len(prompts):
+        raise ValueError(f"{len(images)} image entries for {len(prompts)} prompts")
+    for index, (prompt, item) in enumerate(zip(prompts, images)):
+        runs = image_token_runs(prompt, facts.image_token_id)
+        if item is None:
+            if runs:
+                raise ValueError(f"prompt {index} has {len(runs)} image pad runs but no images")
+            continue
+        grid = item.grid_thw
+        if grid.ndim != 2 or grid.shape[1] != 3 or item.pixel_values.shape[0] != int(grid.prod(-1).sum()):
+            raise ValueError(f"prompt {index}: pixel_values {tuple(item.pixel_values.shape)} do not match "
+                             f"grid_thw {grid.tolist()} (one row per patch)")
+        expected = [int(g.prod()) // facts.spatial_merge_size**2 for g in grid]
+        if [length for _, length in runs] != expected:
+            raise ValueError(f"prompt {index} has image pad runs of {[length for _, length in runs]} tokens; its "
+                             f"grid_thw {grid.tolist()} needs {expected} (the prompt must carry the expanded pad "
+                             f"tokens, as rlmega.data.images.ImagePrompts writes them)")
+        if item.images is not None and len(item.images) != len(expected):
+            raise ValueError(f"prompt {index}: {len(item.images)} encoded images for {len(expected)} grids")
+    return images
+
+
+def image_token_runs(prompt: list[int], token_id: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of each maximal run of ``token_id`` in ``prompt``."""
+    runs: list[tuple[int, int]] = []
+    for position, token in enumerate(prompt):
+        if token != token_id:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == position:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((position, 1))
+    return runs
 
 
 # ---------------------------------------------------------------------------------------------- pause, lock
@@ -415,10 +468,11 @@ class EngineAdapter(ABC):
     # ------------------------------------------------------------------ engine calls
 
     @abstractmethod
-    def _engine_generate(self, prompts: list[list[int]], params: list[SamplingParams],
-                         seeds: list[int | None]) -> list[EngineResponse]:
-        """One request per prompt, with its params and seed, in order; with ``record_routing``, each
-        response that reached the model carries its routed experts."""
+    def _engine_generate(self, prompts: list[list[int]], params: list[SamplingParams], seeds: list[int | None],
+                         images: list[ImageInputs | None] | None = None) -> list[EngineResponse]:
+        """One request per prompt, with its params and seed (and its images, checked by ``check_images``;
+        None: no request has any), in order; with ``record_routing``, each response that reached the model
+        carries its routed experts."""
 
     @abstractmethod
     def _engine_interrupt(self, paused: threading.Event) -> None:
@@ -463,9 +517,12 @@ class EngineAdapter(ABC):
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, prompts: list[list[int]],
-                 params: SamplingParams | Sequence[SamplingParams]) -> list[Generation]:
-        """See ``RolloutEngine.generate``. One engine request per response (see ``sample_requests``)."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams | Sequence[SamplingParams],
+                 images: Sequence[ImageInputs | None] | None = None) -> list[Generation]:
+        """See ``RolloutEngine.generate``. One engine request per response (see ``sample_requests``).
+        ``images``: a vision-language model's images of each prompt (None: text only), as ``HFEngine`` takes
+        them; each prompt already holds its expanded image pad tokens."""
+        images = check_images(images, prompts, self.facts, self.weights.model_type)
         if self._paused.is_set():  # at once, even while an update holds the lock
             return paused_generations(check_requests(prompts, params, self.facts.vocab_size,
                                                      self.facts.max_positions), self._book.version)
@@ -479,7 +536,8 @@ class EngineAdapter(ABC):
                 return []
             responses = self._engine_generate([prompts[i] for i, _ in requests],
                                               [per_prompt[i] for i, _ in requests],
-                                              [sample_seed(per_prompt[i].seed, i, j) for i, j in requests])
+                                              [sample_seed(per_prompt[i].seed, i, j) for i, j in requests],
+                                              None if images is None else [images[i] for i, _ in requests])
             generations = []
             for (i, _), response in zip(requests, responses):
                 p = per_prompt[i]

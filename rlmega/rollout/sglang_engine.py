@@ -40,6 +40,7 @@ from rlmega.rollout.engine_common import (
 )
 from rlmega.rollout.protocol import SamplingParams
 from rlmega.rollout.weight_group import WeightMeta
+from rlmega.workers.batching import ImageInputs
 
 # setup.py's `sglang` extra: sglang>=0.5.23,<0.5.24. SGLang changes its Python API within 0.5.x (0.5.23
 # added the weight-update session and renamed the log-prob switch), so the range is one patch release.
@@ -61,6 +62,14 @@ SUPPORTED_VERSIONS = ((0, 5, 23), (0, 5, 24))
 # sglang/srt/managers/scheduler_components/batch_result_processor.py (_maybe_collect_routed_experts: finished
 # requests, seqlen = prompt + output_ids_through_stop), sglang/srt/managers/tokenizer_manager.py
 # (meta_info["routed_experts"]: the int32 bytes, base64; extract_routed_experts_from_meta_info decodes it).
+# Images (tests/rollout/fakes/api/sglang_multimodal.json): Engine.generate's image_data (one list per request),
+# sglang/srt/managers/io_struct.py (GenerateReqInput._normalize_image_data: a list of lists only when the first
+# entry is a list, so a text-only request is [], not None), sglang/srt/multimodal/processors/base_processor.py
+# (a dict with format "processor_output" holds a HF processor's output, pixel_values + image_grid_thw for all the
+# request's images, and must be the request's only item; load_mm_data keeps the input_ids of pre-processed data
+# as given, and each run of image pad tokens is one image's features, split by image_grid_thw:
+# process_and_combine_mm_data_async, sglang/srt/managers/mm_utils.py get_new_expanded_mm_items),
+# sglang/srt/multimodal/processors/qwen_vl.py (Qwen2.5-VL: mrope positions from those runs and grids).
 
 # sglang/srt/layers/sampler.py reads it when the scheduler processes import it: with it, the returned
 # log-probs are log(softmax(raw logits)); without it, log(softmax(logits / temperature)) (greedy requests:
@@ -144,12 +153,24 @@ def _routed_experts(meta: dict, num_layers: int, experts_per_token: int) -> np.n
     return flat.reshape(-1, num_layers, experts_per_token)
 
 
+def _image_data(images: list[ImageInputs | None] | None) -> dict:
+    """``image_data`` of a batch: per request its images as one processor output (the trainer's own pixel values
+    and grids, so the vision tower sees what the trainer's does), ``[]`` for a text-only request; nothing when no
+    request has images."""
+    if images is None:
+        return {}
+    return {"image_data": [[] if item is None else [{"format": "processor_output", "pixel_values": item.pixel_values,
+                                                      "image_grid_thw": item.grid_thw}] for item in images]}
+
+
 def _generate(engine, prompts: list[list[int]], sampling: list[dict],
-              routing_shape: tuple[int, int] | None = None) -> list[EngineResponse]:
-    """``routing_shape``: ``(num_hidden_layers, num_experts_per_tok)`` to ask for routed experts, else None."""
+              routing_shape: tuple[int, int] | None = None,
+              images: list[ImageInputs | None] | None = None) -> list[EngineResponse]:
+    """``routing_shape``: ``(num_hidden_layers, num_experts_per_tok)`` to ask for routed experts, else None.
+    ``images``: per request, None or its images; the input ids keep their expanded pad tokens."""
     routing = {"return_routed_experts": True} if routing_shape is not None else {}
     outputs = engine.generate(input_ids=prompts, sampling_params=sampling, return_logprob=True,
-                              logprob_start_len=-1, **routing)  # -1: no prompt log-probs
+                              logprob_start_len=-1, **routing, **_image_data(images))  # -1: no prompt log-probs
     responses = []
     for output in outputs:
         meta = output["meta_info"]
@@ -273,8 +294,8 @@ class SGLangEngine(EngineAdapter):
 
     # ------------------------------------------------------------------ engine calls: the SGLang 0.5.23 API above
 
-    def _engine_generate(self, prompts: list[list[int]], params: list[SamplingParams],
-                         seeds: list[int | None]) -> list[EngineResponse]:
+    def _engine_generate(self, prompts: list[list[int]], params: list[SamplingParams], seeds: list[int | None],
+                         images: list[ImageInputs | None] | None = None) -> list[EngineResponse]:
         """SGLang always stops at the checkpoint's EOS ids unless ``ignore_eos``, which also disables
         ``stop_token_ids``. A request whose stop ids cover every EOS id runs as is; any other runs with
         ``ignore_eos`` to ``max_new_tokens`` and is cut after its first stop token by ``finish_response``:
@@ -283,7 +304,7 @@ class SGLangEngine(EngineAdapter):
         sampling = [_sampling_params(p, seed, ignore_eos=not self.facts.eos_token_ids <= set(p.stop_token_ids))
                     for p, seed in zip(params, seeds)]
         routing_shape = (self.facts.num_layers, self.facts.experts_per_token) if self.record_routing else None
-        return self._loop.run(_generate, self.engine, prompts, sampling, routing_shape)
+        return self._loop.run(_generate, self.engine, prompts, sampling, routing_shape, images)
 
     def _engine_interrupt(self, paused: threading.Event) -> None:
         _interrupt(self.engine, paused)

@@ -24,6 +24,7 @@ tests/rollout/fakes/api/vllm.json is what the wheel's source says of each call.
 
 from __future__ import annotations
 
+import io
 import os
 import threading
 
@@ -33,11 +34,14 @@ from rlmega.rollout.engine_common import (
     DEFAULT_BUCKET_BYTES,
     EngineAdapter,
     EngineResponse,
+    ModelFacts,
     adapter_settings,
     check_version,
+    image_token_runs,
 )
 from rlmega.rollout.protocol import SamplingParams
 from rlmega.rollout.weight_group import WeightMeta
+from rlmega.workers.batching import ImageInputs
 
 SUPPORTED_VERSIONS = ((0, 33), (0, 34))  # setup.py's `vllm` extra: vllm>=0.33,<0.34
 WORKER_EXTENSION = "rlmega.rollout.vllm_engine.VLLMWorkerExtension"
@@ -56,6 +60,14 @@ WORKER_EXTENSION = "rlmega.rollout.vllm_engine.VLLMWorkerExtension"
 # rows up to num_tokens - 1, the last sampled token never fed), vllm/v1/engine/output_processor.py (the rows
 # concatenated on the final output), vllm/outputs.py (CompletionOutput.routed_experts), vllm/config/vllm.py
 # (_verify_aux_output_compatibility: MoE models, prefix caching, no PP / context parallelism).
+# Images (tests/rollout/fakes/api/vllm_multimodal.json): vllm/inputs/llm.py (TokensPrompt: prompt_token_ids,
+# multi_modal_data, mm_processor_kwargs), vllm/multimodal/parse.py (MultiModalDataParser._parse_image_data: PIL
+# images, arrays or 3-d tensors of pixels, or a dict of embeddings), vllm/model_executor/models/qwen2_vl.py
+# (Qwen2VLMultiModalDataParser: a dict image item must hold image_embeds + image_grid_thw, never pixel_values;
+# _complete_mm_processor_size_aliases: request min_pixels / max_pixels win over the checkpoint's) and
+# qwen2_5_vl.py (Qwen2_5_VLMultiModalProcessor._get_prompt_updates: each image is ONE <|image_pad|> in the token
+# prompt, which vLLM replaces by grid.prod() // merge**2 pads; vllm/multimodal/processing/processor.py applies the
+# replacement to every prompt, so an already expanded run would be expanded again, pad by pad).
 
 def _import_vllm():
     import vllm
@@ -108,8 +120,41 @@ def _vllm_sampling_params(vllm, params: SamplingParams, seed: int | None):
     )
 
 
-def _vllm_generate(llm, prompts: list[list[int]], sampling_params: list) -> list[EngineResponse]:
-    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], sampling_params, use_tqdm=False)
+def _decoded(encoded: bytes):
+    from PIL import Image
+
+    with Image.open(io.BytesIO(encoded)) as image:
+        return image.convert("RGB")
+
+
+def _vllm_prompt(prompt: list[int], item: ImageInputs | None, facts: ModelFacts) -> dict:
+    """A ``TokensPrompt``: the token ids, and for a prompt with images each image's pad run collapsed to one
+    pad (vLLM expands it again from the grid of the image it processes), the images as PIL images in prompt
+    order, and size limits that keep each image at the size it was shipped in (so the grid is the trainer's)."""
+    if item is None:
+        return {"prompt_token_ids": prompt}
+    if item.images is None:
+        raise ValueError("vLLM 0.33 takes a prompt's images only as images (multi_modal_data), not as pixel_values: "
+                         "ImageInputs.images is missing; build the prompts with rlmega.data.images.ImagePrompts, "
+                         "which keeps each image resized to its grid, or use the transformers or SGLang engine")
+    runs = image_token_runs(prompt, facts.image_token_id)
+    collapsed, previous = [], 0
+    for start, length in runs:
+        collapsed += prompt[previous:start + 1]
+        previous = start + length
+    collapsed += prompt[previous:]
+    pictures = [_decoded(encoded) for encoded in item.images]
+    for picture, (_, height, width) in zip(pictures, item.grid_thw.tolist()):
+        if picture.size != (width * facts.patch_size, height * facts.patch_size):
+            raise ValueError(f"an image of {picture.size[0]}x{picture.size[1]} pixels for grid {[height, width]} of "
+                             f"{facts.patch_size}-pixel patches: ImageInputs.images must hold the resized images")
+    areas = [picture.size[0] * picture.size[1] for picture in pictures]
+    return {"prompt_token_ids": collapsed, "multi_modal_data": {"image": pictures},
+            "mm_processor_kwargs": {"min_pixels": min(areas), "max_pixels": max(areas)}}
+
+
+def _vllm_generate(llm, prompts: list[dict], sampling_params: list) -> list[EngineResponse]:
+    outputs = llm.generate(prompts, sampling_params, use_tqdm=False)
     responses = []
     for output in outputs:
         completion = output.outputs[0]
@@ -218,10 +263,11 @@ class VLLMEngine(EngineAdapter):
 
     # ------------------------------------------------------------------ engine calls: the vLLM 0.33 API above
 
-    def _engine_generate(self, prompts: list[list[int]], params: list[SamplingParams],
-                         seeds: list[int | None]) -> list[EngineResponse]:
-        return _vllm_generate(self.llm, prompts, [_vllm_sampling_params(self._vllm, p, seed)
-                                                  for p, seed in zip(params, seeds)])
+    def _engine_generate(self, prompts: list[list[int]], params: list[SamplingParams], seeds: list[int | None],
+                         images: list[ImageInputs | None] | None = None) -> list[EngineResponse]:
+        images = images or [None] * len(prompts)
+        return _vllm_generate(self.llm, [_vllm_prompt(prompt, item, self.facts) for prompt, item in zip(prompts, images)],
+                              [_vllm_sampling_params(self._vllm, p, seed) for p, seed in zip(params, seeds)])
 
     def _engine_interrupt(self, paused: threading.Event) -> None:
         """Nothing: a running ``generate`` completes ("stop" / "length") and only later calls see the pause.

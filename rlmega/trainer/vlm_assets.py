@@ -1,6 +1,7 @@
 """The vision-language quickstart's local assets: a tiny Qwen2.5-VL with the character tokenizer (and its image
-markup tokens), its image processor, and a counting task drawn on the fly: "<image>How many squares?" over a small
-picture with 1 to 4 coloured squares, answered by the digit. Built on the machine (no downloads), once per directory.
+markup tokens), its image processor, and a task drawn on the fly whose answer is only in the picture:
+"<image>Colour?" over a dark 16x16 picture with one coloured square in a random quarter, answered by the colour's
+name (red, green, blue or yellow). Built on the machine (no downloads), once per directory.
 """
 
 from __future__ import annotations
@@ -10,40 +11,38 @@ import os
 import random
 from pathlib import Path
 
-SHAPES_DATA_SOURCE = "exact_match"  # scored by the exact-match rule: the answer is the digit alone
-IMAGE_SIZE = 16       # pixels per side: a 4x4 grid of patches of 4, 4 tokens after the 2x2 merge
+SHAPES_DATA_SOURCE = "exact_match"  # scored by the exact-match rule: the answer is the colour's name alone
+IMAGE_SIZE = 16       # pixels per side: a 4x4 grid of patches of 4, 2x2 = 4 tokens after the 2x2 merge
 PATCH, MERGE, TEMPORAL = 4, 2, 2
-MAX_SQUARES = 4
-COLOURS = ((230, 40, 40), (40, 200, 60), (40, 90, 230), (240, 200, 30))
+COLOURS = {"red": (220, 40, 40), "green": (40, 190, 60), "blue": (40, 80, 230), "yellow": (235, 200, 30)}
 
 
-def draw_squares(count: int, rng: random.Random) -> bytes:
-    """A PNG of ``count`` non-overlapping 4x4 squares on a dark background, in random cells and colours."""
+def draw_square(colour: str, rng: random.Random) -> bytes:
+    """A PNG of one 8x8 square of ``colour`` in a random quarter of a dark 16x16 picture (one LM token's area)."""
     import numpy as np
     from PIL import Image
 
     pixels = np.full((IMAGE_SIZE, IMAGE_SIZE, 3), 16, dtype=np.uint8)
-    cells = rng.sample(range((IMAGE_SIZE // 4) ** 2), count)
-    for cell in cells:
-        row, column = divmod(cell, IMAGE_SIZE // 4)
-        pixels[row * 4:row * 4 + 4, column * 4:column * 4 + 4] = rng.choice(COLOURS)
+    row, column = rng.randrange(2) * 8, rng.randrange(2) * 8
+    pixels[row:row + 8, column:column + 8] = COLOURS[colour]
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG")
     return buffer.getvalue()
 
 
 def make_shapes_rows(num_rows: int, seed: int = 0, split: str = "train") -> list[dict]:
-    """Rows in the verl / EasyR1 schema: an ``images`` column of PNG bytes, ``<image>`` in the prompt."""
+    """Rows in the verl / EasyR1 schema: an ``images`` column of PNG bytes, ``<image>`` in the prompt; the answer
+    is only in the picture."""
     rng = random.Random(seed)
     rows = []
     for index in range(num_rows):
-        count = rng.randint(1, MAX_SQUARES)
+        colour = rng.choice(sorted(COLOURS))
         rows.append({
             "data_source": SHAPES_DATA_SOURCE,
-            "prompt": [{"role": "user", "content": "<image>How many squares?"}],
-            "images": [{"bytes": draw_squares(count, rng), "path": None}],
-            "ability": "counting",
-            "reward_model": {"style": "rule", "ground_truth": str(count)},
+            "prompt": [{"role": "user", "content": "<image>Colour?"}],
+            "images": [{"bytes": draw_square(colour, rng), "path": None}],
+            "ability": "vision",
+            "reward_model": {"style": "rule", "ground_truth": colour},
             "extra_info": {"index": index, "split": split},
         })
     return rows

@@ -31,6 +31,9 @@ class ImageInputs:
     """``[patches, channels * temporal_patch * patch * patch]`` the images' patches, image after image."""
     grid_thw: torch.Tensor
     """``[images, 3]`` each image's patch grid (temporal, height, width), in the order of its pad tokens."""
+    images: Optional[list[bytes]] = None
+    """Each image as PNG, resized to its grid (``grid_w * patch`` x ``grid_h * patch`` pixels): what an engine
+    that takes only raw images (vLLM) re-processes into the same ``grid_thw`` and patches; None: not kept."""
 
 
 @dataclasses.dataclass
@@ -194,12 +197,15 @@ class MicroBatch:
     pixel_values: Optional[torch.Tensor] = None
     """A vision-language model's: the images of the micro-batch's sequences, in their order (None: none)."""
     image_grid_thw: Optional[torch.Tensor] = None
+    image_mask: Optional[torch.Tensor] = None
+    """``[B, S]`` where the image features go: the image-pad tokens of the prompts (not of responses)."""
 
     def model_inputs(self) -> dict:
         """Keyword inputs of the model beyond tokens, positions and mask (the images, if any)."""
         if self.pixel_values is None:
             return {}
-        return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw}
+        return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw,
+                "image_mask": self.image_mask}
 
     @property
     def num_tokens(self) -> int:
@@ -293,21 +299,24 @@ def _multimodal_inputs(batch: SequenceBatch, indices: list[int], placements: lis
                        position_ids: torch.Tensor, vision) -> tuple[torch.Tensor, dict]:
     """``[3, B, S]`` positions (each sequence's multimodal ones in its place, padding counting up on all three
     axes) and the micro-batch's images in sequence order."""
-    from rlmega.models.vision_language import mrope_positions
+    from rlmega.models.vision_language import image_token_mask, mrope_positions
 
     multimodal = position_ids.unsqueeze(0).repeat(3, 1, 1)
     flat = multimodal.view(3, -1)
+    mask = torch.zeros(position_ids.shape, dtype=torch.bool)
     pixels, grids = [], []
     for index, (start, length) in zip(indices, placements):
         images = batch.images[index] if batch.images is not None else None
         grid = images.grid_thw if images is not None else None
-        flat[:, start:start + length] = mrope_positions(batch.tokens[index], grid, vision)
+        prompt = batch.prompt_lengths[index]
+        flat[:, start:start + length] = mrope_positions(batch.tokens[index], grid, vision, prompt)
         if images is not None:
+            mask.view(-1)[start:start + length] = image_token_mask(batch.tokens[index], vision, prompt)
             pixels.append(images.pixel_values)
             grids.append(images.grid_thw)
     if not pixels:
         return multimodal, {}
-    return multimodal, {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.cat(grids)}
+    return multimodal, {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.cat(grids), "image_mask": mask}
 
 
 def _routing_rows(batch: SequenceBatch, indices: list[int], placements: list[tuple[int, int]], rows: int,

@@ -1,5 +1,5 @@
 """The vision-language quickstart config end to end on Ray: a tiny Qwen2.5-VL warm-starts and trains with GRPO on
-image prompts (counting squares), the engine's log-probs of image prompts equal the trainer's after every sync
+image prompts (naming a square's colour), the engine's log-probs of image prompts equal the trainer's after every sync
 (the acceptance bound 1e-5; fp32 CPU gives ~1e-6), the tower is trained when unfrozen, and the HF export holds every
 tensor of the checkpoint and its image processor."""
 

@@ -77,3 +77,9 @@ def checked(api: dict, qualified: str):
             return method(self, *args, **kwargs)
         return call
     return wrap
+
+
+@functools.cache
+def load_multimodal(package: str) -> dict:
+    """``api/<package>_multimodal.json``: how images travel with a token prompt (``fakes/multimodal_snapshot.py``)."""
+    return json.loads((API_DIR / f"{package}_multimodal.json").read_text())

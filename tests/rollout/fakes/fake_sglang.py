@@ -26,6 +26,17 @@ entering while a call runs fails ("This event loop is already running"). ``Token
 runs on that loop. The scheduler (here: decoding in an executor thread, one request after another) aborts
 what it holds (Scheduler.abort_request): a queued request comes back without ``output_ids``, a running one
 after one more token, with its tokens and log-probs.
+
+Images, as recorded from the wheel (``api/sglang_multimodal.json``): ``image_data`` is normalised as
+GenerateReqInput._normalize_image_data does (one list per request when the first entry is a list, else every
+entry wrapped in a list), each request's list is validated as BaseMultimodalProcessor.validate_mm_data does (a
+pre-processed dict must be the only item), a dict's ``format`` must be a recorded pre-processed format and its
+other keys image keys of ``ATTR_NAME_TO_MODALITY``; the fake emulates ``processor_output`` only (raw images and
+embeddings raise ``NotImplementedError``). The input ids are kept as given (load_mm_data's fast path for
+pre-processed data), each run of the image pad token is one image (get_mm_items_offset), and the bundled
+``pixel_values`` are split by ``image_grid_thw`` (get_new_expanded_mm_items): where runs, grids and patches
+disagree SGLang silently keeps the bundle (features misplaced), so the fake raises. What the model sees is in
+``mm_requests`` (per ``generate`` call, per request: None or its ``offsets``, ``pixel_values``, ``image_grid_thw``).
 """
 
 from __future__ import annotations
@@ -45,8 +56,10 @@ from rlmega.rollout.weight_group import init_weight_update_group, receive_weight
 
 from . import api_snapshot
 from .tiny_backend import TinyCausalLM
+from .vision import pad_runs, vision_of
 
 API = api_snapshot.load("sglang")
+MULTIMODAL = api_snapshot.load_multimodal("sglang")
 __version__ = API["version"]
 RAW_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"  # sglang/srt/layers/sampler.py, read at import
 api_snapshot.check_env(API, RAW_LOGPROB_ENV)
@@ -109,6 +122,8 @@ class Engine:
         self._rids = itertools.count()
         self.calls: list[tuple] = [("__init__", dict(kwargs))]
         self.model = TinyCausalLM(kwargs["model_path"])
+        self.vision = vision_of(kwargs["model_path"])
+        self.mm_requests: list[list] = []
         self._eos = _eos_ids(kwargs["model_path"])
         # Read by the scheduler processes when they import sglang/srt/layers/sampler.py.
         self._raw_logprobs = os.environ.get(RAW_LOGPROB_ENV, "false").lower() in ("1", "true")
@@ -124,10 +139,11 @@ class Engine:
         return value
 
     @checked("Engine.generate")
-    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, image_data=None, return_logprob=False,
                  logprob_start_len=None, return_routed_experts=False, routed_experts_start_len=0, **_):
         if self._released:
             raise RuntimeError("generate called while memory is released")
+        self.mm_requests.append(self._images(input_ids, image_data))
         for params in sampling_params:
             api_snapshot.check_fields(API, "SamplingParams", params)
         self.calls.append(("generate", input_ids, sampling_params, return_logprob, logprob_start_len,
@@ -136,6 +152,53 @@ class Engine:
         routing_start = routed_experts_start_len if (
             return_routed_experts and self.server_args.get("enable_return_routed_experts")) else None
         return self._run(self._in_scheduler(self.loop, input_ids, sampling_params, return_logprob, routing_start))
+
+    def _images(self, input_ids, image_data) -> list:
+        """Per request None or what its images become (see the docstring)."""
+        if image_data is None:
+            return [None] * len(input_ids)
+        if not isinstance(image_data, list) or len(image_data) != len(input_ids):
+            raise ValueError("The length of image_data should be equal to the batch size.")
+        if not isinstance(image_data[0], list):  # _normalize_image_data: a list of images, one per request
+            image_data = [[item] for item in image_data]
+        return [self._request_images(ids, items) for ids, items in zip(input_ids, image_data)]
+
+    def _request_images(self, ids: list[int], items):
+        if items is None or items == [None] or not items:  # has_valid_data: nothing to process
+            return None
+        if not isinstance(items, list):
+            raise TypeError(f"IMAGE must be a list or None, got {type(items)}")
+        dicts = [item for item in items if isinstance(item, dict) and item.get("format") is not None]
+        if dicts and len(items) != 1:
+            raise ValueError(f"For Modality.IMAGE, when providing a 'processor_output' or 'precomputed_embedding', "
+                             f"you must pass exactly one item; received {len(items)} items")
+        if not dicts:
+            if any(isinstance(item, (list, dict)) for item in items):
+                raise RuntimeError(f"Error while loading data {items!r:.100}")  # load_image on a list / plain dict
+            raise NotImplementedError("the fake emulates pre-processed images only")
+        (item,) = dicts
+        if item["format"] not in MULTIMODAL["format_strings"]:
+            raise NotImplementedError(f"not a pre-processed format: {item['format']!r} "
+                                      f"({MULTIMODAL['format_strings']})")  # a plain dict: load_image fails
+        if item["format"] != "processor_output":
+            raise NotImplementedError("the fake emulates processor_output only")
+        unknown = sorted(set(item) - {"format"} - set(MULTIMODAL["image_keys"]))
+        if unknown:
+            raise TypeError(f"sglang {__version__} reads no image key(s) {unknown} from a processor output")
+        if self.vision is None:
+            raise ValueError("images for a model without a multimodal processor")
+        pixels, grid = item.get("pixel_values"), item.get("image_grid_thw")
+        if not isinstance(pixels, torch.Tensor) or not isinstance(grid, torch.Tensor) or grid.ndim != 2:
+            raise TypeError("a Qwen-VL processor output needs tensors pixel_values [patches, dim] and "
+                            "image_grid_thw [images, 3]")
+        runs = pad_runs(ids, self.vision.image_token_id)
+        sizes = grid.prod(-1).tolist()
+        if len(runs) != len(grid) or sum(sizes) != len(pixels) or \
+                [length for _, length in runs] != [self.vision.tokens(g) for g in grid]:
+            raise RuntimeError(f"pad runs {runs} disagree with image_grid_thw {grid.tolist()} and "
+                               f"{len(pixels)} patches: SGLang would misplace the image features")
+        return {"offsets": [(start, start + length - 1) for start, length in runs],
+                "pixel_values": list(pixels.split(sizes)), "image_grid_thw": grid}
 
     async def _in_scheduler(self, loop, input_ids, sampling_params, return_logprob, routing_start):
         requests = [(str(next(self._rids)), ids, params, threading.Event())

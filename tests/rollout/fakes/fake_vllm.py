@@ -15,6 +15,17 @@ refused where vllm/config/vllm.py refuses it (a dense model, prefix caching off,
 ``CompletionOutput.routed_experts`` in the format recorded from the wheel (``API["routed_experts"]``): numpy
 ``[P + R - 1, num_hidden_layers, k]``, each MoE layer at its decoder-layer index, uint8 up to 256 experts
 (else uint16), from ``SamplingParams.routed_experts_prompt_start``. Every call is recorded in ``calls``.
+
+Images, as recorded from the wheel (``api/vllm_multimodal.json``): a prompt's keys must be ``TokensPrompt`` keys
+(vllm/inputs/llm.py), ``multi_modal_data`` modalities ``MultiModalDataBuiltins`` ones; an ``"image"`` entry is
+PIL images (vllm/multimodal/parse.py; the fake emulates no arrays) or a dict that must carry every field of
+``Qwen2VLMultiModalDataParser.embedding_fields`` (embeddings: pixel values are refused); ``mm_processor_kwargs``
+may set only the recorded size kwargs. On a vision-language checkpoint (config.json ``image_token_id`` +
+``vision_config``) the images go through transformers' Qwen2-VL image processor, and each image's ONE pad token
+is replaced, in order, by ``grid.prod() // merge**2`` pads (the prompt replacement of qwen2_5_vl.py, which
+vllm/multimodal/processing/processor.py applies to every prompt: an already expanded run is expanded again).
+What the model then sees is in ``mm_requests`` (per ``generate`` call, per request: None or its expanded
+``prompt_token_ids``, ``pixel_values`` and ``image_grid_thw``); ``RequestOutput.prompt_token_ids`` is expanded.
 """
 
 from __future__ import annotations
@@ -31,8 +42,12 @@ import torch
 
 from . import api_snapshot
 from .tiny_backend import TinyCausalLM
+from .vision import vision_of
 
 API = api_snapshot.load("vllm")
+MULTIMODAL = api_snapshot.load_multimodal("vllm")
+# The emulated replacement: the target is the image's one placeholder token.
+assert MULTIMODAL["qwen2_5_vl"]["image_replacement_target"] == "[placeholder[modality]]", MULTIMODAL
 __version__ = API["version"]
 
 checked = functools.partial(api_snapshot.checked, API)
@@ -149,6 +164,8 @@ class LLM:
         self.engine_args = dict(kwargs, skip_tokenizer_init=skip_tokenizer_init,
                                 tensor_parallel_size=tensor_parallel_size)
         self.model = TinyCausalLM(model)
+        self.vision = vision_of(model)
+        self.mm_requests: list[list[Optional[dict]]] = []
         self.return_routed_experts = enable_return_routed_experts
         if enable_return_routed_experts:  # vllm/config/vllm.py: _verify_aux_output_compatibility
             if not self.model.num_experts:
@@ -177,6 +194,9 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         self.calls.append(("generate", [p["prompt_token_ids"] for p in prompts], list(sampling_params)))
+        processed = [self._process(p) for p in prompts]
+        self.mm_requests.append(processed)
+        prompts = [p if mm is None else {"prompt_token_ids": mm["prompt_token_ids"]} for p, mm in zip(prompts, processed)]
         # vllm/v1/sample/sampler.py: processed log-probs come after temperature, top-k and top-p.
         logprobs_of = "processed" if self.engine_args.get("logprobs_mode", "raw_logprobs") == "processed_logprobs" else "raw"
         results = []
@@ -199,6 +219,61 @@ class LLM:
                     finish_reason=reason, stop_reason=tokens[-1] if reason == "stop" else None))
             results.append(RequestOutput(str(request_id), None, prompt["prompt_token_ids"], None, completions, True))
         return results
+
+    def _process(self, prompt: dict) -> Optional[dict]:
+        """A ``TokensPrompt``'s multi-modal data, as vLLM 0.33 turns it into model inputs (see the docstring)."""
+        unknown = sorted(set(prompt) - set(MULTIMODAL["tokens_prompt_keys"]))
+        if unknown or "prompt_token_ids" not in prompt:
+            raise TypeError(f"vllm {__version__} TokensPrompt (vllm/inputs/llm.py) has no key(s) {unknown} "
+                            f"or lacks prompt_token_ids: {sorted(prompt)}")
+        data = prompt.get("multi_modal_data")
+        if not data:
+            if prompt.get("mm_processor_kwargs"):
+                raise ValueError("mm_processor_kwargs without multi_modal_data")
+            return None
+        for modality in data:
+            if modality not in MULTIMODAL["modalities"]:
+                raise ValueError(f"Unsupported modality: {modality}")
+        if set(data) != {"image"}:
+            raise NotImplementedError(f"the fake emulates images only, got {sorted(data)}")
+        if self.vision is None:
+            raise ValueError(f"{self.model.model.config.model_type} is not a multimodal model")
+        images = data["image"]
+        if isinstance(images, dict):  # Qwen2VLMultiModalDataParser._parse_image_data -> DictEmbeddingItems
+            required = set(MULTIMODAL["qwen2_5_vl"]["dict_image_fields"])
+            if not required <= set(images):
+                raise ValueError(f"The data should contain the fields: {required}, but only found the following "
+                                 f"keys: {set(images)}")
+            raise NotImplementedError("the fake does not emulate image embeddings")
+        from PIL import Image
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        images = [images] if isinstance(images, Image.Image) else list(images)
+        if not all(isinstance(image, Image.Image) for image in images):
+            raise TypeError(f"the fake takes PIL images as vLLM image items, got {[type(i).__name__ for i in images]}")
+        kwargs = dict(prompt.get("mm_processor_kwargs") or {})
+        unknown = sorted(set(kwargs) - set(MULTIMODAL["qwen2_5_vl"]["size_kwargs"]))
+        if unknown:
+            raise TypeError(f"the fake emulates only the size kwargs {MULTIMODAL['qwen2_5_vl']['size_kwargs']}, "
+                            f"got {unknown}")
+        processor = Qwen2VLImageProcessorPil(patch_size=self.vision.patch, merge_size=self.vision.merge,
+                                             temporal_patch_size=self.vision.temporal)
+        size = dict(processor.size)  # request kwargs win over the checkpoint's (_complete_mm_processor_size_aliases)
+        size.update({edge: kwargs[key] for edge, key in (("shortest_edge", "min_pixels"),
+                                                          ("longest_edge", "max_pixels")) if key in kwargs})
+        encoded = processor(images=[image.convert("RGB") for image in images], return_tensors="pt",
+                            size={"shortest_edge": size["shortest_edge"], "longest_edge": size["longest_edge"]})
+        ids, expanded, start = list(prompt["prompt_token_ids"]), [], 0
+        for grid in encoded["image_grid_thw"]:  # PromptReplacement(target=[pad]) per image, in prompt order
+            if self.vision.image_token_id not in ids[start:]:
+                raise RuntimeError(f"Expected there to be {len(images)} prompt updates corresponding to "
+                                   f"{len(images)} image items, but instead found fewer prompt updates!")
+            position = ids.index(self.vision.image_token_id, start)
+            expanded += ids[start:position] + [self.vision.image_token_id] * self.vision.tokens(grid)
+            start = position + 1
+        expanded += ids[start:]
+        return {"prompt_token_ids": expanded, "pixel_values": encoded["pixel_values"],
+                "image_grid_thw": encoded["image_grid_thw"]}
 
     def _routed_experts(self, prompt: list[int], tokens: list[int], params: SamplingParams) -> Optional[np.ndarray]:
         """AuxOutputSchedulerConnector.take_output: rows [routed_experts_prompt_start, num_tokens - 1)."""
