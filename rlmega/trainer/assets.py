@@ -17,8 +17,6 @@ def prepare_tiny_assets(directory: str | os.PathLike, *, max_operand: int = 9, n
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from transformers.utils import logging as hf_logging
-
     from rlmega.data import build_char_tokenizer, write_arithmetic_dataset
 
     directory = Path(directory)
@@ -30,14 +28,7 @@ def prepare_tiny_assets(directory: str | os.PathLike, *, max_operand: int = 9, n
         config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **TINY_MODEL)
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config).float()
-        bars = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()  # a bar for one tiny shard is noise
-        try:
-            model.save_pretrained(staging)
-        finally:
-            if bars:
-                hf_logging.enable_progress_bar()
+        save_quietly(AutoModelForCausalLM.from_config(config).float(), staging)
         tokenizer.save_pretrained(staging)
         os.replace(staging, paths["model"])
     for split, rows, split_seed in (("train", num_train, seed + 1), ("val", num_val, seed + 2)):
@@ -46,6 +37,19 @@ def prepare_tiny_assets(directory: str | os.PathLike, *, max_operand: int = 9, n
             write_arithmetic_dataset(staging, rows, seed=split_seed, max_operand=max_operand, split=split)
             os.replace(staging, paths[split])
     return {name: str(path) for name, path in paths.items()}
+
+
+def save_quietly(model, directory: str | os.PathLike) -> None:
+    """``model.save_pretrained(directory)`` without transformers' progress bar (for one tiny shard it is noise)."""
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(directory)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def prepare_run_assets(config) -> None:

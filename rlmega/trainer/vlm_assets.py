@@ -48,24 +48,37 @@ def make_shapes_rows(num_rows: int, seed: int = 0, split: str = "train") -> list
     return rows
 
 
+def save_tokenizer_and_image_processor(directory: str | os.PathLike, *, min_pixels: int = IMAGE_SIZE**2,
+                                       max_pixels: int = IMAGE_SIZE**2):
+    """Save the character tokenizer with Qwen's image markup and a Qwen2-VL image processor (patches of
+    ``PATCH``, ``MERGE`` x ``MERGE`` merged) into ``directory``; returns the tokenizer."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from rlmega.data import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer(vision=True)
+    tokenizer.save_pretrained(directory)
+    Qwen2VLImageProcessorPil(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TEMPORAL, min_pixels=min_pixels,
+                             max_pixels=max_pixels).save_pretrained(directory)
+    return tokenizer
+
+
 def prepare_tiny_vlm_assets(directory: str | os.PathLike, *, num_train: int = 2000, num_val: int = 128,
                             seed: int = 0) -> dict[str, str]:
     """Create (if missing) ``model/`` (HF checkpoint, tokenizer, image processor), ``train.parquet`` and
     ``val.parquet`` under ``directory``; returns their paths. Writes to temporary names and renames."""
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    from transformers.utils import logging as hf_logging
 
-    from rlmega.data import build_char_tokenizer
     from rlmega.data.files import write_rows
+    from rlmega.trainer.assets import save_quietly
 
     directory = Path(directory)
     paths = {"model": directory / "model", "train": directory / "train.parquet", "val": directory / "val.parquet"}
     directory.mkdir(parents=True, exist_ok=True)
     if not (paths["model"] / "config.json").is_file():
         staging = directory / "model.tmp"
-        tokenizer = build_char_tokenizer(vision=True)
+        tokenizer = save_tokenizer_and_image_processor(staging)
         start, pad, end = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
         config = Qwen2_5_VLConfig(
             text_config=dict(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -79,18 +92,7 @@ def prepare_tiny_vlm_assets(directory: str | os.PathLike, *, num_train: int = 20
             image_token_id=pad, video_token_id=pad, vision_start_token_id=start, vision_end_token_id=end,
             tie_word_embeddings=False, architectures=["Qwen2_5_VLForConditionalGeneration"])
         torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration._from_config(config).float()
-        bars = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()  # a bar for one tiny shard is noise
-        try:
-            model.save_pretrained(staging)
-        finally:
-            if bars:
-                hf_logging.enable_progress_bar()
-        tokenizer.save_pretrained(staging)
-        Qwen2VLImageProcessorPil(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TEMPORAL,
-                                 min_pixels=IMAGE_SIZE * IMAGE_SIZE, max_pixels=IMAGE_SIZE * IMAGE_SIZE
-                                 ).save_pretrained(staging)
+        save_quietly(Qwen2_5_VLForConditionalGeneration._from_config(config).float(), staging)
         os.replace(staging, paths["model"])
     for split, rows, split_seed in (("train", num_train, seed + 1), ("val", num_val, seed + 2)):
         if not paths[split].is_file():

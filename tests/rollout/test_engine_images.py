@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from rlmega.data import build_char_tokenizer
 from rlmega.data.images import ImagePrompts
 from rlmega.rollout import SamplingParams
 from rlmega.workers.batching import ImageInputs
@@ -31,13 +30,10 @@ def _image(height: int, width: int, seed: int):
 
 @pytest.fixture(scope="module")
 def image_prompts(tmp_path_factory):
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from rlmega.trainer.vlm_assets import save_tokenizer_and_image_processor
 
     directory = tmp_path_factory.mktemp("vl_processor")
-    tokenizer = build_char_tokenizer(vision=True)
-    tokenizer.save_pretrained(directory)
-    Qwen2VLImageProcessorPil(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TEMPORAL,
-                             min_pixels=8 * 8, max_pixels=64 * 64).save_pretrained(directory)
+    tokenizer = save_tokenizer_and_image_processor(directory, min_pixels=8 * 8, max_pixels=64 * 64)
     return ImagePrompts(str(directory), tokenizer)
 
 
