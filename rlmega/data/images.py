@@ -80,7 +80,7 @@ class ImagePrompts:
     def __call__(self, text: str, images: list, *, min_pixels: Optional[int], max_pixels: Optional[int],
                  add_special_tokens: bool):
         """``(prompt token ids, ImageInputs)`` of one rendered prompt and its images."""
-        from rlmega.workers.batching import ImageInputs
+        from rlmega.data.schema import ImageInputs
 
         size = dict(self.image_processor.size)  # {"shortest_edge": min pixels, "longest_edge": max pixels}
         size.update({key: value for key, value in (("shortest_edge", min_pixels), ("longest_edge", max_pixels))

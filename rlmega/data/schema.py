@@ -17,9 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlmega.errors import UserError
+
+if TYPE_CHECKING:  # the rows need no torch; only a vision-language record's images hold tensors
+    import torch
 
 Message = dict[str, str]
 
@@ -27,6 +30,19 @@ Message = dict[str, str]
 class DataFormatError(UserError):
     """A dataset file that cannot be used: a row that does not follow the schema, a file that does not
     parse; the message names the file, the row or line, and the field."""
+
+
+@dataclass
+class ImageInputs:
+    """A sequence's images as a vision-language model takes them (``rlmega.models.vision_language``)."""
+
+    pixel_values: torch.Tensor
+    """``[patches, channels * temporal_patch * patch * patch]`` the images' patches, image after image."""
+    grid_thw: torch.Tensor
+    """``[images, 3]`` each image's patch grid (temporal, height, width), in the order of its pad tokens."""
+    images: list[bytes] | None = None
+    """Each image as PNG, resized to its grid (``grid_w * patch`` x ``grid_h * patch`` pixels): what an engine
+    that takes only raw images (vLLM) re-processes into the same ``grid_thw`` and patches; None: not kept."""
 
 
 @dataclass
@@ -46,8 +62,8 @@ class PromptRecord:
     extra_info: dict[str, Any] = field(default_factory=dict)
     source_file: str = ""
     source_row: int = -1
-    images: Any = None
-    """A vision-language prompt's images as the model takes them (``rlmega.workers.batching.ImageInputs``), their
+    images: ImageInputs | None = None
+    """A vision-language prompt's images as the model takes them (``ImageInputs``), their
     pad tokens in ``prompt_token_ids``; None: text only."""
 
 

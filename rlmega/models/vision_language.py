@@ -24,8 +24,6 @@ import torch
 
 VISION_LANGUAGE_MODEL_TYPES = ("qwen2_5_vl",)
 """transformers ``model_type`` of the vision-language models rlmega runs."""
-VISION_PREFIX = "visual."
-"""The tower's parameters are named ``visual.<transformers' name>``, as Qwen2.5-VL checkpoints store them."""
 
 
 @dataclasses.dataclass(frozen=True)

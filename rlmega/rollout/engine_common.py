@@ -27,7 +27,7 @@ from safetensors import safe_open
 from rlmega.rollout.protocol import EngineNotReadyError, FinishReason, Generation, SamplingParams, UnknownWeightError
 from rlmega.rollout.sampling import request_generator
 from rlmega.rollout.weight_group import DEFAULT_GROUP_NAME, WeightMeta
-from rlmega.workers.batching import ImageInputs
+from rlmega.data.schema import ImageInputs
 
 DEFAULT_BUCKET_BYTES = 256 * 1024**2
 

@@ -22,7 +22,7 @@ from rlmega.rollout.hf_routing import RoutingRecorder, routing_or_none
 from rlmega.rollout.hf_weights import HFWeightMap, WeightTarget
 from rlmega.models.vision_language import VISION_LANGUAGE_MODEL_TYPES, mrope_positions, vision_spec_from_hf
 from rlmega.rollout.protocol import Generation, SamplingParams
-from rlmega.workers.batching import ImageInputs
+from rlmega.data.schema import ImageInputs
 from rlmega.rollout.sampling import RowSampling, request_generator, select_next_tokens
 
 PAD_TOKEN_ID = 0  # left padding is masked out, so any in-vocabulary id works

@@ -40,7 +40,7 @@ from rlmega.rollout.engine_common import (
 )
 from rlmega.rollout.protocol import SamplingParams
 from rlmega.rollout.weight_group import WeightMeta
-from rlmega.workers.batching import ImageInputs
+from rlmega.data.schema import ImageInputs
 
 # setup.py's `sglang` extra: sglang>=0.5.23,<0.5.24. SGLang changes its Python API within 0.5.x (0.5.23
 # added the weight-update session and renamed the log-prob switch), so the range is one patch release.

@@ -41,7 +41,7 @@ from rlmega.rollout.engine_common import (
 )
 from rlmega.rollout.protocol import SamplingParams
 from rlmega.rollout.weight_group import WeightMeta
-from rlmega.workers.batching import ImageInputs
+from rlmega.data.schema import ImageInputs
 
 SUPPORTED_VERSIONS = ((0, 33), (0, 34))  # setup.py's `vllm` extra: vllm>=0.33,<0.34
 WORKER_EXTENSION = "rlmega.rollout.vllm_engine.VLLMWorkerExtension"

@@ -22,18 +22,7 @@ from typing import Optional
 
 import torch
 
-
-@dataclasses.dataclass
-class ImageInputs:
-    """A sequence's images as a vision-language model takes them (``rlmega.models.vision_language``)."""
-
-    pixel_values: torch.Tensor
-    """``[patches, channels * temporal_patch * patch * patch]`` the images' patches, image after image."""
-    grid_thw: torch.Tensor
-    """``[images, 3]`` each image's patch grid (temporal, height, width), in the order of its pad tokens."""
-    images: Optional[list[bytes]] = None
-    """Each image as PNG, resized to its grid (``grid_w * patch`` x ``grid_h * patch`` pixels): what an engine
-    that takes only raw images (vLLM) re-processes into the same ``grid_thw`` and patches; None: not kept."""
+from rlmega.data.schema import ImageInputs
 
 
 @dataclasses.dataclass

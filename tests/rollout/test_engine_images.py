@@ -14,7 +14,7 @@ import torch
 
 from rlmega.data.images import ImagePrompts
 from rlmega.rollout import SamplingParams
-from rlmega.workers.batching import ImageInputs
+from rlmega.data.schema import ImageInputs
 
 from .fakes import fake_sglang, fake_vllm, one_thread
 

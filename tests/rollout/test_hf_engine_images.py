@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from rlmega.rollout.hf_engine import HFEngine
 from rlmega.rollout.protocol import SamplingParams
-from rlmega.workers.batching import ImageInputs
+from rlmega.data.schema import ImageInputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bridge"))
 from vl_models import hf_logits, save_tiny_vl, vl_cases  # noqa: E402

@@ -8,7 +8,8 @@ import torch
 from rlmega.models import model_spec_from_hf
 from rlmega.parallel.layout import ParallelLayout, destroy, initialize
 from rlmega.parallel.spawn import run_on_ranks
-from rlmega.workers.batching import ImageInputs, SequenceBatch
+from rlmega.data.schema import ImageInputs
+from rlmega.workers.batching import SequenceBatch
 from rlmega.workers.config import BatchingConfig, OptimizerConfig, WorkerConfig
 from rlmega.workers.worker import MegatronWorker
 from vl_models import hf_logits, save_tiny_vl, vl_cases
