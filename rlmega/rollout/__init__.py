@@ -2,12 +2,12 @@
 vLLM and SGLang.
 
 Nothing here imports Megatron or the rest of rlmega's training stack. ``VLLMEngine`` and
-``SGLangEngine`` are loaded on first use, so importing this package imports neither engine. See README.md.
+``SGLangEngine`` are loaded on first use, so importing this package imports neither engine; ``HFEngine`` too, so that
+a driver which only talks to engine actors does not import transformers' models. See README.md.
 """
 
 import importlib
 
-from rlmega.rollout.hf_engine import HFEngine
 from rlmega.rollout.hf_weights import HFWeightMap, WeightTarget
 from rlmega.rollout.protocol import (
     EngineNotReadyError,
@@ -32,7 +32,7 @@ __all__ = [
     "WeightTarget",
 ]
 
-_LAZY = {"VLLMEngine": "rlmega.rollout.vllm_engine", "SGLangEngine": "rlmega.rollout.sglang_engine"}
+_LAZY = {"HFEngine": "rlmega.rollout.hf_engine", "VLLMEngine": "rlmega.rollout.vllm_engine", "SGLangEngine": "rlmega.rollout.sglang_engine"}
 
 
 def __getattr__(name: str):

@@ -13,7 +13,6 @@ import ray
 import torch
 from ray.actor import ActorHandle
 
-from rlmega.rollout.hf_engine import HFEngine
 from rlmega.rollout.protocol import Generation, SamplingParams
 
 # Engine actors are threaded, so that pause_generation (and weight_version, health) reach the actor while a
@@ -24,6 +23,8 @@ ENGINE_ACTOR_CONCURRENCY = 4
 
 def start_engine_actor(model, *, num_cpus: float = 1, num_gpus: float = 0, **engine_kwargs) -> ActorHandle:
     """Start ``HFEngine(model, **engine_kwargs)`` in a new threaded actor of the running Ray cluster."""
+    from rlmega.rollout.hf_engine import HFEngine  # here: a training rank that holds engine handles needs no model code
+
     return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=ENGINE_ACTOR_CONCURRENCY)(
         HFEngine).remote(model, **engine_kwargs)
 

@@ -13,16 +13,19 @@ TINY_MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, n
 def prepare_tiny_assets(directory: str | os.PathLike, *, max_operand: int = 9, num_train: int = 2000,
                         num_val: int = 128, seed: int = 0) -> dict[str, str]:
     """Create (if missing) ``model/`` (HF checkpoint + tokenizer), ``train.parquet`` and ``val.parquet``
-    under ``directory``; returns their paths. Writes to temporary names and renames when complete."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from rlmega.data import build_char_tokenizer, write_arithmetic_dataset
+    under ``directory``; returns their paths. Writes to temporary names and renames when complete. Assets that
+    exist cost nothing (transformers is only imported to build the model)."""
+    from rlmega.data import write_arithmetic_dataset
 
     directory = Path(directory)
     paths = {"model": directory / "model", "train": directory / "train.parquet", "val": directory / "val.parquet"}
     directory.mkdir(parents=True, exist_ok=True)
     if not (paths["model"] / "config.json").is_file():
+        import torch
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        from rlmega.data import build_char_tokenizer
+
         staging = directory / "model.tmp"
         tokenizer = build_char_tokenizer()
         config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,

@@ -80,14 +80,23 @@ def start_workers(config: RLConfig, *, with_rollout: bool = True):
         engine_pg = placement_group(engine_bundles, strategy=strategy)
         _wait_ready(engine_pg, "placing rollout engines", config.cluster.timeout_s)
         engine_bundle = lambda index: index  # noqa: E731
-    training = TrainingRanks.for_policy(config, training_pg, total_steps=config.trainer.total_steps)
-    if not with_rollout:
-        return training, None, {"placement": config.rollout.placement, "training_ranks": training.nodes, "engines": []}
-    try:
+    rollout = None
+    if with_rollout:  # the engines start while the ranks set up (each takes seconds of imports and loading)
         rollout = RolloutGroup(config, lambda index: PlacementGroupSchedulingStrategy(
             engine_pg, placement_group_bundle_index=engine_bundle(index)),
-            record_routing=config.actor.router_replay == "r3")
+            record_routing=config.actor.router_replay == "r3", wait=False)
+    try:
+        training = TrainingRanks.for_policy(config, training_pg, total_steps=config.trainer.total_steps)
     except BaseException:
+        if rollout is not None:
+            rollout.shutdown()
+        raise
+    if rollout is None:
+        return training, None, {"placement": config.rollout.placement, "training_ranks": training.nodes, "engines": []}
+    try:
+        rollout.wait_started()
+    except BaseException:
+        rollout.shutdown()
         training.shutdown()
         raise
     placement = {"placement": config.rollout.placement, "training_ranks": training.nodes, "engines": rollout.nodes}

@@ -28,7 +28,10 @@ class RolloutGroup:
     ``scheduling(i)`` (a Ray scheduling strategy for engine i); ``record_routing``: every generation
     carries its MoE routing (R3 routing replay)."""
 
-    def __init__(self, config: RLConfig, scheduling, name: str = "rollout engine", record_routing: bool = False):
+    def __init__(self, config: RLConfig, scheduling, name: str = "rollout engine", record_routing: bool = False,
+                 wait: bool = True):
+        """Start the engine actors; ``wait``: and return once every engine has started (else call
+        ``wait_started``, e.g. after starting the training ranks, so that both start at once)."""
         import ray
 
         from rlmega.rollout.ray_actor import ENGINE_ACTOR_CONCURRENCY, RemoteEngine
@@ -51,8 +54,15 @@ class RolloutGroup:
             for index, name in enumerate(self.names)
         ]
         self.engines = [RemoteEngine(actor, bucket_bytes=config.sync.bucket_bytes) for actor in self.actors]
-        located = wait_all([actor.__ray_call__.remote(_engine_node) for actor in self.actors], self.names,
-                           max(self.timeout_s, 300.0), "starting engines")
+        self._located = [actor.__ray_call__.remote(_engine_node) for actor in self.actors]
+        self.nodes: list[dict] = []
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        """Return once every engine has started (its constructor returned); WorkerFailure names one that did
+        not. Fills ``nodes``."""
+        located = wait_all(self._located, self.names, max(self.timeout_s, 300.0), "starting engines")
         self.nodes = [{"engine": index, "node_id": node, "ip": ip} for index, (node, ip) in enumerate(located)]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, images=None) -> list[Generation]:

@@ -29,6 +29,22 @@ TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "rlmega.json"
 
 
+def _in_process_write_results() -> None:
+    """megatron-core 0.16's synchronous ``dist_checkpointing.save`` hands each rank's write results over a
+    queue that it creates, at the first save, as a ``spawn`` multiprocessing Manager: a process that imports
+    torch (~5 s of CPU on a small machine) and then lives as long as the rank (~300 MB). We only save
+    synchronously, so the results are put and taken by the rank itself, and a queue of the rank's own serves.
+    Installed once, before the first save; other releases are left alone (the patch is checked against 0.16)."""
+    from megatron.core import __version__
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from rlmega.parallel.mcore_version import major_minor
+
+    if major_minor(__version__) == (0, 16) and filesystem_async._results_queue is None:
+        import queue
+        filesystem_async._results_queue = queue.Queue()
+
+
 class CheckpointNotFoundError(FileNotFoundError):
     """No complete checkpoint at the given path."""
 
@@ -100,6 +116,7 @@ def save_checkpoint(root: str | Path, step: int, chunks: list, optimizer=None, s
     state = _sharded_state(chunks, optimizer, scheduler, is_loading=False, with_rng=True)
     state["step"] = step
     state["extra"] = extra or {}
+    _in_process_write_results()
     dist_checkpointing.save(state, str(staging))
     dist.barrier()
     if dist.get_rank() == 0:

@@ -2,6 +2,7 @@
 the critic learns values, LR schedules follow their formulas."""
 
 import math
+import multiprocessing
 
 import pytest
 import torch
@@ -94,10 +95,11 @@ def _save_body(rank, world_size, layout, hf_dir, root):
                             hf_dir=hf_dir, total_steps=5)
     worker.update(_train_batch(worker, 1))
     path = worker.save_checkpoint(root, extra={"sampler": {"epoch": 0, "position": 6}})
+    left = [child.name for child in multiprocessing.active_children()]  # a writer process outliving the save
     metrics = worker.update(_train_batch(worker, 2))  # the step a resumed run must reproduce
     weights = _weights(worker)
     destroy()
-    return str(path), metrics, weights
+    return str(path), metrics, weights, left
 
 
 def _resume_body(rank, world_size, layout, hf_dir, root):
@@ -116,19 +118,20 @@ def _resume_body(rank, world_size, layout, hf_dir, root):
 def saved(llama, tmp_path_factory):
     root = tmp_path_factory.mktemp("checkpoints")
     layout = ParallelLayout(tp=2, world_size=2)
-    path, metrics, weights = run_on_ranks(_save_body, 2, timeout_s=TIMEOUT_S, args=(layout, str(llama), str(root)))[0]
-    return root, path, metrics, weights
+    path, metrics, weights, left = run_on_ranks(_save_body, 2, timeout_s=TIMEOUT_S, args=(layout, str(llama), str(root)))[0]
+    return root, path, metrics, weights, left
 
 
 def test_checkpoint_is_megatron_shaped_and_complete(saved):
-    root, path, _, _ = saved
+    root, path, _, _, left = saved
+    assert left == []  # megatron-core's save leaves no results-queue process behind (rlmega.workers.checkpoint)
     assert (root / TRACKER).read_text() == "1"
     assert latest_checkpoint(root) == latest_checkpoint(path) == root / "iter_0000001"
     assert not list(root.glob("*.tmp"))
 
 
 def test_half_written_checkpoint_is_never_the_latest(llama, saved, tmp_path):
-    root, path, _, _ = saved
+    root, path, _, _, _ = saved
     (tmp_path / "iter_0000003.tmp").mkdir()  # a crash mid-save leaves only a staging directory
     assert latest_checkpoint(tmp_path) is None
     (tmp_path / TRACKER).write_text("3")  # even a tracker naming it does not make it complete
@@ -141,7 +144,7 @@ def test_half_written_checkpoint_is_never_the_latest(llama, saved, tmp_path):
                                          dict(cp=2, world_size=2)],
                          ids=["same-tp2", "tp1", "pp2", "cp2"])
 def test_resume_gives_the_identical_next_step(llama, saved, layout_args):
-    root, _, expected_metrics, expected_weights = saved
+    root, _, expected_metrics, expected_weights, _ = saved
     layout = ParallelLayout(**layout_args)
     extra, step, metrics, weights = run_on_ranks(_resume_body, layout.world_size, timeout_s=TIMEOUT_S, args=(layout, str(llama), str(root)))[0]
     assert extra == {"sampler": {"epoch": 0, "position": 6}} and step == 1
