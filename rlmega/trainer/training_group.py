@@ -87,7 +87,10 @@ class RankProcess:
         initialize(self.layout, timeout_s=config.cluster.timeout_s, seed=config.trainer.seed)
 
     def _rank0(self, result: Any) -> Any:
-        return result if self.rank == 0 else None
+        """Rank 0's answer (per-sequence tensors packed for the trip to the driver); None on the others."""
+        from rlmega.workers.packed import portable
+
+        return portable(result) if self.rank == 0 else None
 
     # ---- the roles' work ------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from rlmega.data.schema import ImageInputs
+from rlmega.workers.packed import TensorList
 
 
 @dataclasses.dataclass
@@ -74,6 +75,13 @@ class SequenceBatch:
                         f"expected [{response_lengths[index]}] (one value per response token)"
                     )
 
+    def __reduce__(self):
+        # Sent to every rank on every step: each list crosses as one tensor (rlmega.workers.packed).
+        lists = lambda tensors: None if tensors is None else TensorList(tensors)  # noqa: E731
+        return (_rebuild_batch, (lists(self.tokens), self.prompt_lengths,
+                                 {name: lists(values) for name, values in self.fields.items()}, self.temperature,
+                                 lists(self.routing), self.images))
+
     def __len__(self) -> int:
         return len(self.tokens)
 
@@ -100,6 +108,10 @@ class SequenceBatch:
     def logit_scale(self) -> float:
         """What the logits are divided by before a log-softmax (greedy decoding scores the raw logits)."""
         return self.temperature if self.temperature > 0 else 1.0
+
+
+def _rebuild_batch(tokens, prompt_lengths, fields, temperature, routing, images) -> SequenceBatch:
+    return SequenceBatch(tokens, prompt_lengths, fields, temperature, routing, images)
 
 
 def reading_at(batch: SequenceBatch, positions: list[int]) -> SequenceBatch:

@@ -1,6 +1,6 @@
-"""The driver killed with SIGKILL at seeded points of a short run, then resumed (``resume=auto``): every step's
-metrics equal those of an uninterrupted run, the data order too, a checkpoint killed halfway through its save is
-never resumed from, and after each kill no process of the run is left."""
+"""The driver killed with SIGKILL at 20 seeded points of a short run, then resumed (``resume=auto``) after each:
+every step's metrics equal those of an uninterrupted run, the data order too, a checkpoint killed halfway
+through its save is never resumed from, and after each kill no process of the run is left."""
 
 import json
 import random
@@ -10,13 +10,20 @@ import pytest
 
 from fault_helpers import ONE_RANK, _comparable, _rows
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(1800)
 
-TOTAL_STEPS = 8
+TOTAL_STEPS = 32
 RUN = [f"trainer.total_steps={TOTAL_STEPS}", *ONE_RANK, "trainer.max_checkpoints_to_keep=2"]
 KILL_SEED = 1201
-KILL_POINTS = ("save", "sync", "moment")
-"""One kill inside a checkpoint save, one inside the weight sync, one at a seeded moment of a step."""
+PHASES = ("start", "save", "sync", "moment")
+KILLS_PER_PHASE = 5
+"""20 kills, 5 in each phase, in an order the seed shuffles:
+- ``start``: a seeded moment of the start-up (imports, Ray, the ranks and engine starting, the checkpoint's load,
+  the warm-start, the first sync), before the run's first new step;
+- ``save``: inside a checkpoint save, while its ``iter_*.tmp`` is being written;
+- ``sync``: inside the weight sync after an update (the rank process is named ``RankProcess.push_weights``);
+- ``moment``: a seeded moment of a step, 0-1.5 s after the previous step's metrics row (generation, log-probs,
+  update, or that step's save)."""
 
 
 def _trained_prompts(run_dir):
@@ -28,33 +35,51 @@ def _tracker(run_dir) -> int:
     return int(path.read_text()) if path.exists() else 0
 
 
-def test_driver_killed_at_seeded_points_resumes_to_the_uninterrupted_metrics(start_run):
-    """One uninterrupted reference run, then ONE run killed at ``len(KILL_POINTS)`` seeded points and resumed
-    after each. Three kill points, because each costs a restart (~30 s of Ray, rank and engine start-up on a
-    2-core machine) and three reach every phase a kill can corrupt; twenty separate killed runs would cost
-    twenty restarts and twenty reference-length runs (over ten minutes) for what the chain covers at once, and
-    in the chain every resume after the first starts from a checkpoint that a resumed process wrote. The
-    points: a checkpoint save (killed while its ``iter_*.tmp`` is being written), the weight sync (the rank
-    process is named ``RankProcess.push_weights``), and a seeded moment of a step (0-1.5 s after the previous
-    step's metrics row: generation, log-probs, update, or that step's save). ``KILL_SEED`` picks each point's
-    step (2 or 3 steps past the checkpoint it resumed from) and moment."""
+def kill_plan(seed: int = KILL_SEED) -> list[str]:
+    points = [phase for phase in PHASES for _ in range(KILLS_PER_PHASE)]
+    random.Random(seed).shuffle(points)
+    return points
+
+
+def test_kill_plan_covers_every_phase_and_fits_the_run():
+    plan = kill_plan()
+    assert len(plan) == 20 and {plan.count(phase) for phase in PHASES} == {KILLS_PER_PHASE}
+    # A kill after the start-up moves the chain on by at most 2 steps (its target is 2-3 steps past the checkpoint
+    # it resumed from, and the target step's own checkpoint is not complete when it lands), so the last target,
+    # at most 2 * (moves - 1) + 3, is a step of the run.
+    moves = sum(point != "start" for point in plan)
+    assert 2 * moves + 1 <= TOTAL_STEPS
+
+
+def test_driver_killed_at_20_seeded_points_resumes_to_the_uninterrupted_metrics(start_run):
+    """One uninterrupted reference run, then ONE run killed at the 20 points of ``kill_plan()`` and resumed after
+    each (a chain: every resume after the first starts from a checkpoint that a resumed process wrote, and some
+    from one that a start-up kill left untouched). ``KILL_SEED`` also picks each point's step (2 or 3 steps past
+    the checkpoint it resumed from) and moment (within the reference run's start-up for ``start``)."""
     reference = start_run("reference", *RUN)
-    assert reference.process.wait(timeout=300) == 0, reference.output()[-3000:]
+    reference.wait_step(1)
+    startup_s = time.time() - reference.started
+    assert reference.process.wait(timeout=600) == 0, reference.output()[-3000:]
     expected = _rows(reference.run_dir)
     assert [row["step"] for row in expected] == list(range(1, TOTAL_STEPS + 1))
 
     rng = random.Random(KILL_SEED)
     run_dir, landed = None, []
-    for number, point in enumerate(KILL_POINTS):
+    for number, point in enumerate(kill_plan()):
         run = start_run("killed", *RUN, log_name=f"killed-{number}")
         run_dir = run.run_dir
         resumed_from = _tracker(run_dir)
         # The step in which this kill lands: a step after a new checkpoint, so that the chain moves on.
         target = resumed_from + rng.randint(2, 3)
-        ranks = run.processes("ray::RankProcess")
-        if resumed_from:
-            found = run.wait_for_output("resumed from")
-            assert f"iter_{resumed_from:07d} (step {resumed_from})" in found, found  # never a half-written one
+        moment = rng.uniform(0.0, startup_s if point == "start" else 1.5)
+        if point == "start":
+            time.sleep(moment)
+            run.snapshot()
+        else:
+            ranks = run.processes("ray::RankProcess")
+            if resumed_from:
+                found = run.wait_for_output("resumed from")
+                assert f"iter_{resumed_from:07d} (step {resumed_from})" in found, found  # never a half-written one
         staged = []
 
         def staging():  # a new step's checkpoint being written (its metrics row came just before it)
@@ -62,14 +87,15 @@ def test_driver_killed_at_seeded_points_resumes_to_the_uninterrupted_metrics(sta
             staged[:] = [path for path in actor.glob("iter_*.tmp") if int(path.name[5:12]) >= target]
             return staged
 
-        run.wait_step(target - 1)
-        run.snapshot()  # now, so that nothing but a title check stands between the moment and the kill
+        if point != "start":
+            run.wait_step(target - 1)
+            run.snapshot()  # now, so that nothing but a title check stands between the moment and the kill
         if point == "save":
             run.wait_title(ranks, "ray::RankProcess.save", also=staging)
         elif point == "sync":
             run.wait_title(ranks, "ray::RankProcess.push_weights")  # the initial sync came before any new row
-        else:
-            time.sleep(rng.uniform(0.0, 1.5))
+        elif point == "moment":
+            time.sleep(moment)
         assert run.process.poll() is None, f"the run ended before kill point {number} ({point})"
         run.kill_driver(snapshot=False)
         landed.append((point, target, run.last_step()))
@@ -77,16 +103,19 @@ def test_driver_killed_at_seeded_points_resumes_to_the_uninterrupted_metrics(sta
         saved = _tracker(run_dir)
         # The tracker always names a complete checkpoint; a killed save leaves only its staging directory.
         assert saved == 0 or (run_dir / "checkpoints" / "actor" / f"iter_{saved:07d}" / "rlmega.json").is_file()
+        assert saved >= resumed_from, (saved, resumed_from, landed)  # a kill never loses a finished checkpoint
         if staged:
             half_written = int(staged[0].name[5:12])
             assert staged[0].is_dir() and saved == half_written - 1, (staged, saved, landed)
 
     last_saved = _tracker(run_dir)
+    assert last_saved < TOTAL_STEPS, landed  # the chain ended inside the run, so the last resume has steps to do
     final = start_run("killed", *RUN, log_name="killed-final")
     final.wait_step(last_saved + 1)
     final.snapshot()  # the finished run leaves nothing behind either (its guardian included)
-    assert final.process.wait(timeout=300) == 0, final.output()[-3000:]
-    assert f"iter_{last_saved:07d} (step {last_saved})" in final.output()
+    assert final.process.wait(timeout=600) == 0, final.output()[-3000:]
+    if last_saved:
+        assert f"iter_{last_saved:07d} (step {last_saved})" in final.output()
     assert _tracker(run_dir) == TOTAL_STEPS
     got = _rows(run_dir)
     assert [row["step"] for row in got] == list(range(1, TOTAL_STEPS + 1)), landed
@@ -95,3 +124,4 @@ def test_driver_killed_at_seeded_points_resumes_to_the_uninterrupted_metrics(sta
     assert _trained_prompts(run_dir) == _trained_prompts(reference.run_dir)
     assert not list((run_dir / "checkpoints" / "actor").glob("iter_*.tmp"))  # the killed save's staging is gone
     final.assert_nothing_left()
+    print("kill points (phase, target step, last metrics row):", landed)
