@@ -1,0 +1,81 @@
+"""``start_workers`` starts the engines while the training ranks set up, and shuts down what it started when
+either part fails (Ray's calls replaced by recorders: what is checked is the order of the calls)."""
+
+import importlib
+
+import pytest
+
+from rlmega.config.load import load_config
+from rlmega.trainer import cluster, rollout_group, training_group
+
+
+class _Recorder:
+    def __init__(self, fail_in=None):
+        self.calls, self.fail_in = [], fail_in
+
+    def rollout_group(self, config, scheduling, record_routing=False, wait=True):
+        recorder = self
+
+        class Group:
+            nodes = [{"engine": 0}]
+
+            def wait_started(self):
+                recorder.calls.append("engines: wait started")
+                if recorder.fail_in == "engines":
+                    raise RuntimeError("engine 0 died")
+
+            def shutdown(self):
+                recorder.calls.append("engines: shutdown")
+
+        self.calls.append(f"engines: start (wait={wait})")
+        return Group()
+
+    def ranks(self, config, placement_group, total_steps):
+        recorder = self
+
+        class Ranks:
+            nodes = [{"rank": 0}]
+
+            def shutdown(self):
+                recorder.calls.append("ranks: shutdown")
+
+        self.calls.append("ranks: start and set up")
+        if self.fail_in == "ranks":
+            raise RuntimeError("rank 0 died")
+        return Ranks()
+
+
+@pytest.fixture
+def recorder(monkeypatch, tmp_path):
+    ray_placement = importlib.import_module("ray.util.placement_group")  # the module (ray.util's name is the function)
+    made = _Recorder()
+    monkeypatch.setattr(cluster, "connect", lambda config: None)
+    monkeypatch.setattr(cluster, "_wait_ready", lambda group, what, timeout_s: None)
+    monkeypatch.setattr(ray_placement, "placement_group", lambda bundles, strategy: ("pg", strategy))
+    monkeypatch.setattr(rollout_group, "RolloutGroup", made.rollout_group)
+    monkeypatch.setattr(training_group.TrainingRanks, "for_policy", staticmethod(made.ranks))
+    return made
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+def test_engines_start_before_the_ranks_set_up_and_are_awaited_after(recorder, tmp_path, placement):
+    config = load_config("tiny_cpu", [f"run_dir={tmp_path}", f"rollout.placement={placement}"], check=False)
+    training, rollout, placement_info = cluster.start_workers(config)
+    assert recorder.calls == ["engines: start (wait=False)", "ranks: start and set up", "engines: wait started"]
+    assert placement_info["engines"] == [{"engine": 0}] and placement_info["training_ranks"] == [{"rank": 0}]
+
+
+@pytest.mark.parametrize("fail_in,stopped", [("ranks", ["engines: shutdown"]),
+                                             ("engines", ["engines: shutdown", "ranks: shutdown"])])
+def test_a_failed_start_stops_what_was_started(recorder, tmp_path, fail_in, stopped):
+    recorder.fail_in = fail_in
+    config = load_config("tiny_cpu", [f"run_dir={tmp_path}"], check=False)
+    with pytest.raises(RuntimeError, match="died"):
+        cluster.start_workers(config)
+    assert recorder.calls[-len(stopped):] == stopped
+
+
+def test_without_rollout_no_engine_starts(recorder, tmp_path):
+    config = load_config("tiny_cpu", [f"run_dir={tmp_path}"], check=False)
+    training, rollout, _ = cluster.start_workers(config, with_rollout=False)
+    assert rollout is None and recorder.calls == ["ranks: start and set up"]
