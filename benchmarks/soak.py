@@ -5,7 +5,8 @@ for `--steps` RL steps and, every `--every` steps (when that step's metrics row 
 memory of every process of the run (the driver and everything below it: the guardian, reward workers, Ray's GCS,
 raylet and agents, the training ranks, the engine and what they started) and the space used in /dev/shm. It
 prints the samples, grouped by kind of process, then each kind's growth from the first sample at or after
-`--from-step` to the last (target: <= 5 %).
+`--from-step` to the last (target: <= 5 %). Each sample's total is printed as it is taken; Ctrl-C stops the run
+early and reports what was sampled.
 
     python benchmarks/soak.py [--steps 500] [--every 10] [--from-step 50] [overrides...]
 """
@@ -97,28 +98,41 @@ def main() -> int:
                    f"trainer.total_steps={args.steps}", "resume=never", "metrics.backends=[jsonl]", *args.overrides]
         started = time.monotonic()
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+        interrupted = False
         try:
             next_sample = args.every
             while process.poll() is None:
                 step = _last_step(metrics)
                 if step >= next_sample:
                     samples.append((step, sample(process.pid)))
+                    total = samples[-1][1]["all processes"] / 2**20
+                    print(f"step {step}: {total:.1f} MB in all processes ({time.monotonic() - started:.0f} s)",
+                          file=sys.stderr, flush=True)  # progress, so that a stopped soak still says something
                     next_sample = (step // args.every + 1) * args.every
                 time.sleep(0.2)
+        except KeyboardInterrupt:  # stopped by hand: report what was sampled
+            interrupted = True
+            print(f"stopped at step {_last_step(metrics)} of {args.steps}", file=sys.stderr)
         finally:
             if process.poll() is None:
                 process.kill()
             process.wait()
-        if process.returncode != 0:
+        if process.returncode != 0 and not interrupted:
             print(f"rlmega train exited with code {process.returncode}", file=sys.stderr)
             return process.returncode
     elapsed = time.monotonic() - started
+    return report(samples, args, elapsed)
+
+
+def report(samples: list[tuple[int, dict[str, float]]], args: argparse.Namespace, elapsed: float) -> int:
+    """Print the samples and each kind's growth from ``--from-step`` to the last sample."""
     if not samples:
         print("no sample taken: the run ended before its first sampled step", file=sys.stderr)
         return 1
     kinds = [kind for kind in ("driver", *(name for name, _ in KINDS), "other", "all processes", "/dev/shm used")
              if any(kind in sizes for _, sizes in samples)]
-    print(f"{args.steps} steps in {elapsed:.0f} s; resident MB per kind of process, sampled every {args.every} steps")
+    print(f"{samples[-1][0]} of {args.steps} steps sampled in {elapsed:.0f} s; resident MB per kind of process, "
+          f"sampled every {args.every} steps")
     print(f"{'step':>6}{'procs':>7}" + "".join(f"{kind[:13]:>15}" for kind in kinds))
     for step, sizes in samples:
         columns = "".join(f"{sizes.get(kind, 0.0) / 2**20:>15.1f}" for kind in kinds)

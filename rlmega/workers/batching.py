@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from rlmega.data.schema import ImageInputs
-from rlmega.workers.packed import TensorList
+from rlmega.workers.packed import TensorList, spawning
 
 
 @dataclasses.dataclass
@@ -77,7 +77,8 @@ class SequenceBatch:
 
     def __reduce__(self):
         # Sent to every rank on every step: each list crosses as one tensor (rlmega.workers.packed).
-        lists = lambda tensors: None if tensors is None else TensorList(tensors)  # noqa: E731
+        wrap = list if spawning() else TensorList  # see rlmega.workers.packed.spawning
+        lists = lambda tensors: None if tensors is None else wrap(tensors)  # noqa: E731
         return (_rebuild_batch, (lists(self.tokens), self.prompt_lengths,
                                  {name: lists(values) for name, values in self.fields.items()}, self.temperature,
                                  lists(self.routing), self.images))

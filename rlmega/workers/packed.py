@@ -19,10 +19,20 @@ class TensorList(list):
     shapes, and as a plain list otherwise. Unpickled, it is a ``TensorList`` of views of one buffer."""
 
     def __reduce__(self):
-        packed = pack(self)
+        packed = None if spawning() else pack(self)
         if packed is None:
             return (TensorList, (list(self),))
         return (unpack, packed)
+
+
+def spawning() -> bool:
+    """True while ``multiprocessing`` pickles a new process's arguments. torch then hands each tensor's storage
+    over as a file descriptor that must stay open until the child starts, and a packed tensor made for the
+    pickle would be freed (its descriptor closed, its number reused) before that; the tensors cost nothing to
+    hand over that way, so they go as they are."""
+    from multiprocessing import context
+
+    return context.get_spawning_popen() is not None
 
 
 def pack(tensors: Sequence[torch.Tensor]) -> Optional[tuple[torch.Tensor, list[int], tuple[int, ...]]]:

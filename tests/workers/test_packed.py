@@ -83,3 +83,20 @@ def test_unpack_refuses_lengths_that_do_not_fit():
     assert [t.numel() for t in unpack(flat, lengths, trailing)] == [2, 3]
     with pytest.raises(ValueError, match="cannot be split into rows"):
         unpack(flat, [2, 2], trailing)
+
+
+def _sums(rank, world_size, batches, lists):
+    return ([[int(t.sum()) for t in batch.tokens] for batch in batches], [float(t.sum()) for t in lists])
+
+
+def test_batches_reach_spawned_processes_whole():
+    """multiprocessing hands tensors to a spawned process as file descriptors that must outlive the pickling:
+    packed copies made for it would be freed first (the child then maps a closed or reused descriptor)."""
+    from rlmega.parallel.spawn import run_on_ranks
+
+    batch = _batch()
+    shared = batch.with_fields(extra=batch.fields["advantages"])  # the same tensors in two batches
+    lists = TensorList(batch.fields["advantages"])
+    got_tokens, got_lists = run_on_ranks(_sums, 1, timeout_s=300, args=([batch, shared], lists))[0]
+    assert got_tokens == [[int(t.sum()) for t in batch.tokens]] * 2
+    assert got_lists == pytest.approx([float(t.sum()) for t in lists], abs=1e-5)
