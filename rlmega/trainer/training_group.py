@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import socket
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from rlmega.config.schema import RLConfig, SyncConfig
 from rlmega.trainer.remote import wait_all
 from rlmega.workers.batching import SequenceBatch
+
+STORE_TIMEOUT_S = 600.0
+"""How long rank 0's store waits on a key until set-up gives it ``cluster.timeout_s``."""
 
 
 class RankProcess:
@@ -33,13 +35,19 @@ class RankProcess:
         self.workers: dict = {}
 
     def address(self) -> tuple[str, int, str]:
-        """This node's IP, a free port on it, and the Ray node id (for rank 0's rendezvous and placement)."""
+        """This node's IP, the rendezvous port (rank 0: its process-group store's, bound here; 0 on the
+        others) and the Ray node id (for rank 0's rendezvous and placement)."""
         import ray
+        import torch.distributed as dist
 
         ip = ray.util.get_node_ip_address()
-        with socket.socket() as sock:
-            sock.bind((ip, 0))
-            port = sock.getsockname()[1]
+        port = 0
+        if self.rank == 0:
+            # The store binds its port now and holds it: a port found free and bound only at set-up could be
+            # taken in between by another process (seen under load: EADDRINUSE).
+            self._store = dist.TCPStore(ip, 0, self.world_size, is_master=True, wait_for_workers=False,
+                                        timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+            port = self._store.port
         return ip, port, ray.get_runtime_context().get_node_id()
 
     def setup(self, master: tuple[str, int], config: RLConfig, total_steps: int) -> None:
@@ -81,8 +89,12 @@ class RankProcess:
 
         torch.set_num_threads(max(1, int(cpus)))
         timeout = datetime.timedelta(seconds=config.cluster.timeout_s)
-        dist.init_process_group(default_backend(), init_method=f"tcp://{master[0]}:{master[1]}",
-                                rank=self.rank, world_size=self.world_size, timeout=timeout)
+        store = getattr(self, "_store", None)  # rank 0's, from address()
+        if store is None:
+            store = dist.TCPStore(master[0], master[1], self.world_size, is_master=False, timeout=timeout)
+        store.set_timeout(timeout)
+        dist.init_process_group(default_backend(), store=store, rank=self.rank, world_size=self.world_size,
+                                timeout=timeout)
         self.layout = layout.build()
         initialize(self.layout, timeout_s=config.cluster.timeout_s, seed=config.trainer.seed)
 
