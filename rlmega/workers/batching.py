@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from rlmega.data.schema import ImageInputs
-from rlmega.workers.packed import TensorList, spawning
+from rlmega.workers.packed import portable
 
 
 @dataclasses.dataclass
@@ -77,11 +77,9 @@ class SequenceBatch:
 
     def __reduce__(self):
         # Sent to every rank on every step: each list crosses as one tensor (rlmega.workers.packed).
-        wrap = list if spawning() else TensorList  # see rlmega.workers.packed.spawning
-        lists = lambda tensors: None if tensors is None else wrap(tensors)  # noqa: E731
-        return (_rebuild_batch, (lists(self.tokens), self.prompt_lengths,
-                                 {name: lists(values) for name, values in self.fields.items()}, self.temperature,
-                                 lists(self.routing), self.images))
+        return (_rebuild_batch, (portable(self.tokens), self.prompt_lengths,
+                                 {name: portable(values) for name, values in self.fields.items()}, self.temperature,
+                                 portable(self.routing), self.images))
 
     def __len__(self) -> int:
         return len(self.tokens)
