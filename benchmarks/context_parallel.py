@@ -151,14 +151,14 @@ def main() -> None:
 
     from rlmega.parallel.spawn import run_on_ranks
 
-    # Spawned ranks inherit these. A fixed mmap threshold returns freed large blocks to the OS at
+    # Spawned ranks (fresh processes: glibc reads its settings at start) inherit these. A fixed mmap threshold returns freed large blocks to the OS at
     # once, so RSS follows live memory and the baselines are not inflated by cached heap.
     os.environ.update(OMP_NUM_THREADS=str(args.threads), MALLOC_MMAP_THRESHOLD_=str(MIB))
     results = {}
     with tempfile.TemporaryDirectory() as hf_dir:
         _save_model(hf_dir, args.tokens)
         for name, (cp, megatron_attention) in CONFIGS.items():
-            results[name] = run_on_ranks(_rank_body, cp, timeout_s=args.timeout,
+            results[name] = run_on_ranks(_rank_body, cp, timeout_s=args.timeout, start_method="spawn",
                                          args=(cp, megatron_attention, hf_dir, args.tokens))
     if args.json:
         print(json.dumps(results, indent=1))

@@ -76,7 +76,8 @@ def main() -> None:
     os.environ.update(OMP_NUM_THREADS=str(args.threads), MALLOC_MMAP_THRESHOLD_=str(MIB))
     with tempfile.TemporaryDirectory() as hf_dir:
         _save_model(hf_dir, args.tokens, args.layers)
-        rows = {name: run_on_ranks(_rank_body, 1, timeout_s=args.timeout, args=(memory, hf_dir, args.tokens))[0]
+        rows = {name: run_on_ranks(_rank_body, 1, timeout_s=args.timeout, args=(memory, hf_dir, args.tokens),
+                                 start_method="spawn")[0]
                 for name, memory in CONFIGS.items()}
     print(f"one update on one sequence of {args.tokens} tokens, {args.layers}-layer Llama (hidden 256), fp32, "
           f"{args.threads} thread(s); MiB: peak RSS above the call's start (total: peak RSS)")

@@ -13,3 +13,25 @@ def pytest_collection_modifyitems(config, items):
         # every test under tests/gpu/, the CPU contract tests beside the GPU ones included.
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip_gpu)
+
+
+SLOW_S = 45.0
+"""A test phase longer than this is named on the console as it ends, with the time into the run: a slow or
+cut-short run then shows where its time went."""
+_session = {}
+
+
+def pytest_sessionstart(session):
+    import time
+
+    _session.update(started=time.monotonic(), config=session.config)
+
+
+def pytest_runtest_logreport(report):
+    import time
+
+    reporter = _session.get("config") and _session["config"].pluginmanager.get_plugin("terminalreporter")
+    if report.duration > SLOW_S and reporter is not None:
+        minutes, seconds = divmod(int(time.monotonic() - _session["started"]), 60)
+        reporter.write_line(f"\n[slow] {report.nodeid} ({report.when}): {report.duration:.0f} s, "
+                            f"{minutes}:{seconds:02d} into the run")

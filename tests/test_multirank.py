@@ -41,6 +41,31 @@ def _sleep_with_child(rank, world_size, pid_file):
     time.sleep(600)
 
 
+def _environment_and_output(rank, world_size, name):
+    os.write(1, f"rank {rank} says hello\n".encode())  # one write: the two ranks' lines do not interleave
+    return os.environ.get(name), os.getcwd()
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_ranks_see_the_callers_environment_directory_and_output(start_method, monkeypatch, tmp_path, capfd):
+    with capfd.disabled():  # the fork server runs before the variable is set, with stdio other than capfd's
+        run_on_ranks(_all_reduce_rank, 1, timeout_s=60)
+    monkeypatch.setenv("RLMEGA_TEST_MARK", start_method)
+    monkeypatch.chdir(tmp_path)
+    capfd.readouterr()
+    results = run_on_ranks(_environment_and_output, 2, timeout_s=60, args=("RLMEGA_TEST_MARK",),
+                           start_method=start_method)
+    assert results == [(start_method, str(tmp_path))] * 2
+    out = capfd.readouterr().out  # written by the ranks to this test's stdout, not the fork server's
+    assert sorted(line for line in out.splitlines() if "says hello" in line) == ["rank 0 says hello",
+                                                                                "rank 1 says hello"]
+
+
+def test_an_unknown_start_method_is_refused():
+    with pytest.raises(ValueError, match="start_method must be 'forkserver' or 'spawn', got 'fork'"):
+        run_on_ranks(_all_reduce_rank, 1, start_method="fork")
+
+
 def test_results_come_back_per_rank():
     results = run_on_ranks(_all_reduce_rank, 2, timeout_s=60)
     assert results == [(0, 2, 3.0), (1, 2, 3.0)]
@@ -85,7 +110,8 @@ def test_hung_ranks_time_out_and_leave_no_processes(tmp_path):
     leftover = [
         child for child in psutil.Process().children(recursive=True)
         if child.status() != psutil.STATUS_ZOMBIE
-        # multiprocessing's resource tracker belongs to this test process, not to a rank
+        # multiprocessing's resource tracker and fork server belong to this test process, not to a rank
         and "resource_tracker" not in " ".join(child.cmdline())
+        and "forkserver" not in " ".join(child.cmdline())  # it forks ranks for this process; ends with it
     ]
     assert leftover == []

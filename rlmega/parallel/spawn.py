@@ -2,8 +2,12 @@
 
     results = run_on_ranks(body, world_size=4, timeout_s=120, args=(layout,))
 
-``body(rank, world_size, *args)`` runs in a fresh process with ``torch.distributed`` initialised
+``body(rank, world_size, *args)`` runs in a new process with ``torch.distributed`` initialised
 over gloo and the CPU platform enabled; its return values come back as a list indexed by rank.
+Ranks are forked from a server process that has imported torch and Megatron-Core once
+(``rank_preload``; multiprocessing's ``forkserver``), with the caller's environment, working
+directory, stdout and stderr, as a spawned process would have them; ``start_method="spawn"``
+starts each from scratch (what a memory measurement wants).
 The first rank that raises or dies fails the whole run with that rank's traceback; every other
 rank is then killed, so no process outlives the call. ``RankFailure.cause`` is the one line to show a
 person: the exception's message, without the traceback or the rank.
@@ -21,6 +25,7 @@ import socket
 import time
 import traceback
 import warnings
+from multiprocessing import reduction
 from typing import Any, Callable, Optional, Sequence
 
 _POLL_S = 0.05
@@ -63,8 +68,31 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(body, rank, world_size, port, collective_timeout_s, args, results, quiet):
+class _CallerStdio:
+    """The caller's stdout and stderr at the moment a rank starts, sent to it as file descriptors: a forked
+    rank would otherwise write where the fork server's were when it started (a closed pytest capture)."""
+
+    def __reduce__(self):
+        return _adopt_stdio, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _adopt_stdio(stdout, stderr) -> None:
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, inherited in ((1, stdout), (2, stderr)):
+        received = inherited.detach()
+        os.dup2(received, fd)
+        os.close(received)
+
+
+def _rank_main(body, rank, world_size, port, collective_timeout_s, args, results, quiet, environment=None,
+               stdio=None):
     os.setpgrp()  # own process group: stopping the rank also stops whatever it started
+    if environment is not None:  # a forked rank has the fork server's environment: take the caller's
+        os.environ.clear()
+        os.environ.update(environment)
     if quiet:  # N ranks would each print the libraries' warnings in front of the one error that matters
         warnings.simplefilter("ignore")
         logging.getLogger().setLevel(logging.ERROR)
@@ -122,6 +150,15 @@ def _stop(processes: Sequence[mp.Process]) -> None:
         proc.join()
 
 
+def _context(start_method: str):
+    if start_method not in ("forkserver", "spawn"):
+        raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(["rlmega.parallel.rank_preload"])  # no effect once the server runs
+    return ctx
+
+
 def run_on_ranks(
     body: Callable[..., Any],
     world_size: int,
@@ -129,6 +166,7 @@ def run_on_ranks(
     timeout_s: float = 120.0,
     args: tuple = (),
     quiet: bool = False,
+    start_method: str = "forkserver",
 ) -> list:
     """Run ``body(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
 
@@ -136,8 +174,10 @@ def run_on_ranks(
     values. Raises RankFailure naming the first rank that raised, exited without a result, or was
     still running when ``timeout_s`` ran out. ``quiet``: the ranks print no warnings and no log
     records below ERROR (command-line tools, whose user should see only the cause of a failure).
+    ``start_method``: ``"forkserver"`` (ranks start with the heavy imports done) or ``"spawn"``.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context(start_method)
+    forked = start_method == "forkserver"
     results = ctx.Queue()
     port = free_port()
     # Collectives time out a little before the harness does, so a hung rank reports itself.
@@ -145,7 +185,8 @@ def run_on_ranks(
     processes = [
         ctx.Process(
             target=_rank_main,
-            args=(body, rank, world_size, port, collective_timeout_s, args, results, quiet),
+            args=(body, rank, world_size, port, collective_timeout_s, args, results, quiet,
+                  dict(os.environ) if forked else None, _CallerStdio() if forked else None),
             name=f"rank{rank}",
             daemon=False,  # ranks may start helper processes (dist_checkpointing does)
         )

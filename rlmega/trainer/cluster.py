@@ -39,6 +39,9 @@ def connect(config: RLConfig) -> None:
     # The GCS keeps an event record of every task, up to 100k by default: a run makes tens per step, so the
     # GCS grew for hours (benchmarks/soak.py). Without a dashboard nobody reads them; keep the last few.
     system = {} if "RAY_task_events_max_num_task_in_gcs" in os.environ else {"task_events_max_num_task_in_gcs": 1000}
+    # Ray starts one idle worker per CPU in advance; every rlmega actor sets its own environment (thread count,
+    # log file), which an idle worker started without it cannot take, so those workers only cost start-up CPU.
+    system.update(enable_worker_prestart=False, prestart_worker_first_driver=False)
     ray.init(address="local", num_cpus=max(math.ceil(needed), os.cpu_count() or 1), include_dashboard=False,
              _node_ip_address="127.0.0.1", log_to_driver=True, logging_level=logging.ERROR, _system_config=system)
     quiet_worker_deaths(Path(config.run_dir) / "logs" / "ray-errors.log")  # rlmega names dead workers itself

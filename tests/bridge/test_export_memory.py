@@ -66,8 +66,8 @@ def _export_and_measure(rank, world_size):
 def test_export_peak_memory_is_bounded_by_one_bucket_plus_the_largest_tensor(monkeypatch):
     # glibc keeps freed blocks below a dynamic threshold (up to 32 MiB) in its heap, so RSS would
     # remember every bucket ever allocated; a fixed 1 MiB mmap threshold makes RSS track live memory.
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(MIB))
-    measured = max(run_on_ranks(_export_and_measure, 2, timeout_s=300), key=lambda m: m["extra"])
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(MIB))  # read by glibc at start: the ranks are spawned afresh
+    measured = max(run_on_ranks(_export_and_measure, 2, timeout_s=300, start_method="spawn"), key=lambda m: m["extra"])
     assert measured["model"] > 350 * MIB
     assert measured["exported"] == measured["model"]  # 32768 (a multiple of 1024) needs no vocabulary padding
     bound = BUCKET_BYTES + measured["largest"] + SLACK_BYTES

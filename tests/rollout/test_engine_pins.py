@@ -4,7 +4,8 @@ read the checkpoints that our transformers writes.
 ``test_extra_resolves`` runs pip's resolver over setup.py's requirements plus one extra, without
 installing or downloading any wheel: ``pip install --dry-run --ignore-installed`` with ``fast-deps``,
 which reads each wheel's metadata through HTTP range requests (the multi-GB CUDA wheels are never
-fetched; about a minute per extra). It needs the package index; without it the test skips.
+fetched; the three resolutions run side by side, in about half a minute here). It needs the package
+index; without it the test skips.
 ``test_a_conflicting_pin_fails`` proves the check can fail: the torch bound rlmega had before
 (``<2.14``) cannot go with vllm 0.33, which pins torch 2.14.0.
 
@@ -41,13 +42,24 @@ def setup_requirements() -> tuple[list[str], dict[str, list[str]]]:
     return values["INSTALL_REQUIRES"], values["EXTRAS_REQUIRE"]
 
 
-def resolve(requirements: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
-    requirements_file = tmp_path / "requirements.txt"
+def start_resolve(requirements: list[str], directory: Path) -> subprocess.Popen:
+    """pip's resolver over ``requirements``, started (its report goes to ``directory/report.json``)."""
+    requirements_file = directory / "requirements.txt"
     requirements_file.write_text("\n".join(requirements) + "\n")
-    return subprocess.run(
+    return subprocess.Popen(
         [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-         "--use-feature=fast-deps", "--report", str(tmp_path / "report.json"), "-r", str(requirements_file)],
-        capture_output=True, text=True, timeout=900)
+         "--use-feature=fast-deps", "--report", str(directory / "report.json"), "-r", str(requirements_file)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(process: subprocess.Popen, timeout_s: float = 600) -> subprocess.CompletedProcess:
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        stdout, stderr = process.communicate()
+        stderr += f"\n(pip did not finish within {timeout_s:.0f} s)"
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def _index_reachable() -> bool:
@@ -59,23 +71,38 @@ def _index_reachable() -> bool:
 needs_index = pytest.mark.skipif(not _index_reachable(), reason="the package index is not reachable")
 
 
+CONFLICT = "conflicting-torch-pin"
+
+
+@pytest.fixture(scope="module")
+def resolutions(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """Each extra's resolution and the deliberately conflicting one, run side by side: pip spends them
+    waiting on the index, so three at once take about as long as one."""
+    install_requires, extras = setup_requirements()
+    pinned = [("torch>=2.6,<2.14" if Requirement(r).name == "torch" else r) for r in install_requires]
+    wanted = {"vllm": install_requires + extras["vllm"], "sglang": install_requires + extras["sglang"],
+              CONFLICT: pinned + extras["vllm"]}
+    started = {}
+    for name, requirements in wanted.items():
+        directory = tmp_path_factory.mktemp(name)
+        started[name] = start_resolve(requirements, directory), directory
+    return {name: (finish(process), directory) for name, (process, directory) in started.items()}
+
+
 @needs_index
 @pytest.mark.parametrize("extra", ["vllm", "sglang"])
-def test_extra_resolves(extra, tmp_path):
-    install_requires, extras = setup_requirements()
-    result = resolve(install_requires + extras[extra], tmp_path)
+def test_extra_resolves(extra, resolutions):
+    result, directory = resolutions[extra]
     assert result.returncode == 0, f"rlmega[{extra}] does not resolve:\n{result.stderr[-4000:]}"
     installed = {item["metadata"]["name"].lower(): item["metadata"]["version"]
-                 for item in json.loads((tmp_path / "report.json").read_text())["install"]}
+                 for item in json.loads((directory / "report.json").read_text())["install"]}
     api = api_snapshot.load(extra)
     assert installed[extra] == api["version"], "the snapshot is not of the release pip picks: regenerate it"
 
 
 @needs_index
-def test_a_conflicting_pin_fails(tmp_path):
-    install_requires, extras = setup_requirements()
-    pinned = [("torch>=2.6,<2.14" if Requirement(r).name == "torch" else r) for r in install_requires]
-    result = resolve(pinned + extras["vllm"], tmp_path)
+def test_a_conflicting_pin_fails(resolutions):
+    result, _ = resolutions[CONFLICT]
     assert result.returncode != 0 and "ResolutionImpossible" in result.stderr + result.stdout
 
 
