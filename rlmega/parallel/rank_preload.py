@@ -3,8 +3,12 @@ each rank starts with torch and Megatron-Core already imported instead of import
 4 s of CPU per rank here). Quiet: the libraries' import-time warnings would otherwise reach the console
 of whoever started the first rank."""
 
+import importlib
 import logging
 import warnings
+
+MODULES = ("torch.distributed", "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer",
+           "rlmega.parallel.cpu_platform")
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -16,14 +20,10 @@ with warnings.catch_warnings():
 
         # One thread while imports run: a thread pool started here would not survive the fork into each rank.
         torch.set_num_threads(1)
-        import torch.distributed  # noqa: F401
-
-        try:
-            import megatron.core  # noqa: F401
-            import megatron.core.models.gpt  # noqa: F401
-            import megatron.core.optimizer  # noqa: F401
-        except ImportError:  # a rank that needs it reports the error itself
-            pass
-        from rlmega.parallel import cpu_platform  # noqa: F401
+        for name in MODULES:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # a rank that needs it reports the error itself
+                pass
     finally:
         root.setLevel(level)
