@@ -90,11 +90,12 @@ def test_dead_rank_fails_the_run_naming_it():
 
 def test_hung_ranks_time_out_and_leave_no_processes(tmp_path):
     pid_file = tmp_path / "child.pid"
+    run_on_ranks(_all_reduce_rank, 1, timeout_s=120)  # the fork server has imported torch before the clock starts
     started = time.monotonic()
-    # 20 s: long enough for two spawned ranks to import torch and start their children on a loaded machine.
+    # 10 s: long enough for two forked ranks to start their children on a loaded machine.
     with pytest.raises(RankFailure) as failure:
-        run_on_ranks(_sleep_with_child, 2, timeout_s=20, args=(str(pid_file),))
-    assert "still running after 20s" in str(failure.value)
+        run_on_ranks(_sleep_with_child, 2, timeout_s=10, args=(str(pid_file),))
+    assert "still running after 10s" in str(failure.value)
     assert time.monotonic() - started < 60
     grandchildren = [int(path.read_text()) for path in tmp_path.glob("child.pid.*")]
     assert len(grandchildren) == 2

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rlmega.config.schema import RLConfig
 from rlmega.errors import RunFailure
+from rlmega.trainer.cluster import disconnect
 from rlmega.trainer.controller import Trainer, export_hf, supervised_warm_start
 from rlmega.trainer.prompts import PromptSource
 from rlmega.trainer.roles import role_groups
@@ -68,6 +69,8 @@ def run(config: RLConfig) -> int:
             elif kept:
                 error.add_note(f"the workers' output is in {kept}")
         raise
+    finally:
+        disconnect()
 
 
 def _write_traceback(error: BaseException, path: Path) -> str | None:
@@ -127,3 +130,4 @@ def run_sft(config: RLConfig) -> int:
         if job is not None:
             job.shutdown()
         prompts.close()
+        disconnect()

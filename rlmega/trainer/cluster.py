@@ -17,6 +17,9 @@ from pathlib import Path
 from rlmega.config.schema import RLConfig
 from rlmega.trainer.ray_console import quiet_worker_deaths
 
+_connected_here = False
+"""``connect`` initialised Ray in this process (``disconnect`` ends it)."""
+
 
 def connect(config: RLConfig) -> None:
     """Join the configured Ray cluster, or start a private local one sized for this job. A private one
@@ -26,11 +29,13 @@ def connect(config: RLConfig) -> None:
 
     from rlmega.launch.guardian import start_guardian
 
+    global _connected_here
     if ray.is_initialized():
         return
     address = config.cluster.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=True, logging_level=logging.ERROR)
+        _connected_here = True
         quiet_worker_deaths(Path(config.run_dir) / "logs" / "ray-errors.log")
         return
     groups = (*_bundles(config), *_reward_bundles(config))
@@ -44,7 +49,20 @@ def connect(config: RLConfig) -> None:
     system.update(enable_worker_prestart=False, prestart_worker_first_driver=False)
     ray.init(address="local", num_cpus=max(math.ceil(needed), os.cpu_count() or 1), include_dashboard=False,
              _node_ip_address="127.0.0.1", log_to_driver=True, logging_level=logging.ERROR, _system_config=system)
+    _connected_here = True
     quiet_worker_deaths(Path(config.run_dir) / "logs" / "ray-errors.log")  # rlmega names dead workers itself
+
+
+def disconnect() -> None:
+    """Leave the Ray cluster that ``connect`` joined or started (a private one stops), now that the run's parts
+    are shut down: left to the interpreter's exit, Ray first waits half a second for log lines to arrive.
+    A cluster someone else connected this process to is left as it is."""
+    import ray
+
+    global _connected_here
+    if _connected_here and ray.is_initialized():
+        ray.shutdown()
+    _connected_here = False
 
 
 def _wait_ready(group, what: str, timeout_s: float) -> None:
