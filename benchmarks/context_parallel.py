@@ -151,8 +151,9 @@ def main() -> None:
 
     from rlmega.parallel.spawn import run_on_ranks
 
-    # Spawned ranks (fresh processes: glibc reads its settings at start) inherit these. A fixed mmap threshold returns freed large blocks to the OS at
-    # once, so RSS follows live memory and the baselines are not inflated by cached heap.
+    # Spawned ranks inherit these (fresh processes: glibc reads its settings at start). A fixed mmap threshold
+    # returns freed large blocks to the OS at once, so RSS follows live memory and the baselines are not
+    # inflated by cached heap.
     os.environ.update(OMP_NUM_THREADS=str(args.threads), MALLOC_MMAP_THRESHOLD_=str(MIB))
     results = {}
     with tempfile.TemporaryDirectory() as hf_dir:

@@ -24,14 +24,13 @@ _session = {}
 def pytest_sessionstart(session):
     import time
 
-    _session.update(started=time.monotonic(), config=session.config)
+    _session.update(started=time.monotonic(), reporter=session.config.pluginmanager.get_plugin("terminalreporter"))
 
 
 def pytest_runtest_logreport(report):
     import time
 
-    reporter = _session.get("config") and _session["config"].pluginmanager.get_plugin("terminalreporter")
-    if report.duration > SLOW_S and reporter is not None:
+    if report.duration > SLOW_S and _session.get("reporter") is not None:
         minutes, seconds = divmod(int(time.monotonic() - _session["started"]), 60)
-        reporter.write_line(f"\n[slow] {report.nodeid} ({report.when}): {report.duration:.0f} s, "
-                            f"{minutes}:{seconds:02d} into the run")
+        _session["reporter"].write_line(f"\n[slow] {report.nodeid} ({report.when}): {report.duration:.0f} s, "
+                                        f"{minutes}:{seconds:02d} into the run")

@@ -89,6 +89,8 @@ def _adopt_stdio(stdout, stderr) -> None:
 
 def _rank_main(body, rank, world_size, port, collective_timeout_s, args, results, quiet, environment=None,
                stdio=None):
+    # ``stdio``: nothing by now; unpickling it (``_CallerStdio``) has already pointed this rank's stdout and stderr
+    # at the caller's.
     os.setpgrp()  # own process group: stopping the rank also stops whatever it started
     if environment is not None:  # a forked rank has the fork server's environment: take the caller's
         os.environ.clear()

@@ -19,6 +19,7 @@ import ast
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,13 +53,18 @@ def start_resolve(requirements: list[str], directory: Path) -> subprocess.Popen:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def finish(process: subprocess.Popen, timeout_s: float = 600) -> subprocess.CompletedProcess:
+RESOLVE_LIMIT_S = 600.0
+"""For all the resolutions together: they run side by side."""
+
+
+def finish(process: subprocess.Popen, deadline: float) -> subprocess.CompletedProcess:
+    """``process``'s outcome; killed, and saying so, if it is still running at ``deadline`` (``time.monotonic()``)."""
     try:
-        stdout, stderr = process.communicate(timeout=timeout_s)
+        stdout, stderr = process.communicate(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         process.kill()
         stdout, stderr = process.communicate()
-        stderr += f"\n(pip did not finish within {timeout_s:.0f} s)"
+        stderr += f"\n(pip did not finish within {RESOLVE_LIMIT_S:.0f} s)"
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
@@ -83,10 +89,11 @@ def resolutions(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess
     wanted = {"vllm": install_requires + extras["vllm"], "sglang": install_requires + extras["sglang"],
               CONFLICT: pinned + extras["vllm"]}
     started = {}
+    deadline = time.monotonic() + RESOLVE_LIMIT_S
     for name, requirements in wanted.items():
         directory = tmp_path_factory.mktemp(name)
         started[name] = start_resolve(requirements, directory), directory
-    return {name: (finish(process), directory) for name, (process, directory) in started.items()}
+    return {name: (finish(process, deadline), directory) for name, (process, directory) in started.items()}
 
 
 @needs_index
