@@ -1,4 +1,5 @@
-"""Shared pytest set-up: GPU-only tests are skipped, with their reason, where CUDA is absent."""
+"""Shared pytest set-up: GPU-only tests are skipped, with their reason, where CUDA is absent; slow test phases are
+named as they end; the tiny model and data are made once per session."""
 
 import pytest
 import torch
@@ -34,3 +35,21 @@ def pytest_runtest_logreport(report):
         minutes, seconds = divmod(int(time.monotonic() - _session["started"]), 60)
         _session["reporter"].write_line(f"\n[slow] {report.nodeid} ({report.when}): {report.duration:.0f} s, "
                                         f"{minutes}:{seconds:02d} into the run")
+
+
+@pytest.fixture(scope="session")
+def tiny_assets(tmp_path_factory):
+    """``tiny_assets(**sizes)``: a directory holding the tiny model and arithmetic data (``prepare_tiny_assets`` with
+    those arguments), made once per session for each set of arguments. Tests read it and must not change it."""
+    from rlmega.trainer.assets import prepare_tiny_assets
+
+    made = {}
+
+    def directory_for(**sizes):
+        key = tuple(sorted(sizes.items()))
+        if key not in made:
+            made[key] = tmp_path_factory.mktemp("assets")
+            prepare_tiny_assets(made[key], **sizes)
+        return made[key]
+
+    return directory_for

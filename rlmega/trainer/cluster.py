@@ -41,16 +41,29 @@ def connect(config: RLConfig) -> None:
     groups = (*_bundles(config), *_reward_bundles(config))
     needed = sum(bundle.get("CPU", 0) for bundles in groups for bundle in bundles)
     start_guardian()  # before the session's processes start, so that they inherit its run token
-    # The GCS keeps an event record of every task, up to 100k by default: a run makes tens per step, so the
-    # GCS grew for hours (benchmarks/soak.py). Without a dashboard nobody reads them; keep the last few.
-    system = {} if "RAY_task_events_max_num_task_in_gcs" in os.environ else {"task_events_max_num_task_in_gcs": 1000}
-    # Ray starts one idle worker per CPU in advance; every rlmega actor sets its own environment (thread count,
-    # log file), which an idle worker started without it cannot take, so those workers only cost start-up CPU.
-    system.update(enable_worker_prestart=False, prestart_worker_first_driver=False)
     ray.init(address="local", num_cpus=max(math.ceil(needed), os.cpu_count() or 1), include_dashboard=False,
-             _node_ip_address="127.0.0.1", log_to_driver=True, logging_level=logging.ERROR, _system_config=system)
+             _node_ip_address="127.0.0.1", log_to_driver=True, logging_level=logging.ERROR,
+             _system_config=private_cluster_settings())
     _connected_here = True
     quiet_worker_deaths(Path(config.run_dir) / "logs" / "ray-errors.log")  # rlmega names dead workers itself
+
+
+def private_cluster_settings() -> dict[str, object]:
+    """Ray settings of the private cluster a run starts (a ``RAY_<name>`` variable set by the user wins)."""
+    settings = {
+        # The GCS keeps an event record of every task, up to 100k by default: a run makes tens per step, so the
+        # GCS grew for hours (benchmarks/soak.py). Without a dashboard nobody reads them; keep the last few.
+        "task_events_max_num_task_in_gcs": 1000,
+        # Nor the metrics and per-handler event statistics every Ray process records for the dashboard: without
+        # them the raylet's heap grows at half the rate over a long run (benchmarks/soak.py).
+        "enable_metrics_collection": False,
+        "event_stats": False,
+        # Ray starts one idle worker per CPU in advance; every rlmega actor sets its own environment (thread
+        # count, log file), which an idle worker started without it cannot take: they only cost start-up CPU.
+        "enable_worker_prestart": False,
+        "prestart_worker_first_driver": False,
+    }
+    return {name: value for name, value in settings.items() if f"RAY_{name}" not in os.environ}
 
 
 def disconnect() -> None:

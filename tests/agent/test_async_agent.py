@@ -10,7 +10,6 @@ import torch
 
 from rlmega.config import load_config
 from rlmega.rollout.protocol import Generation
-from rlmega.trainer.assets import prepare_tiny_assets
 from rlmega.trainer.controller import Trainer
 from rlmega.trainer.prompts import PromptSource
 
@@ -21,10 +20,8 @@ N, PROMPTS, STEPS = 2, 2, 5
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("assets")
-    prepare_tiny_assets(directory, num_train=32, num_val=8)
-    return directory
+def assets(tiny_assets):
+    return tiny_assets(num_train=32, num_val=8)
 
 
 def _config(tmp_path, assets, *overrides):

@@ -9,7 +9,6 @@ from rlmega.agent.loop import example_of
 from rlmega.config import load_config
 from rlmega.errors import UserError
 from rlmega.rollout.protocol import SamplingParams
-from rlmega.trainer.assets import prepare_tiny_assets
 from rlmega.trainer.prompts import PromptSource
 
 from .helpers import record
@@ -36,10 +35,8 @@ def test_a_demonstration_that_ends_early_is_kept_as_far_as_it_goes():
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("assets")
-    prepare_tiny_assets(directory, num_train=16, num_val=4, max_operand=99)
-    return directory
+def assets(tiny_assets):
+    return tiny_assets(num_train=16, num_val=4, max_operand=99)
 
 
 def _prompts(tmp_path, assets, *overrides):

@@ -3,14 +3,11 @@
 import pytest
 
 from fault_helpers import Run
-from rlmega.trainer.assets import prepare_tiny_assets
 
 
 @pytest.fixture(scope="session")
-def assets(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("assets")
-    prepare_tiny_assets(directory, num_train=64, num_val=16)
-    return directory
+def assets(tiny_assets):
+    return tiny_assets(num_train=64, num_val=16)
 
 
 @pytest.fixture

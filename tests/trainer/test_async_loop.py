@@ -3,14 +3,15 @@ weight version of every token; partial rollouts that carry mixed versions into t
 token's own behaviour log-prob; restart instead of continue; stale groups regenerated or dropped; a
 resume that neither loses nor repeats a prompt; one-step-off's delayed-rollout equivalence."""
 
+import dataclasses
 import json
 import math
+import re
 
 import pytest
 import torch
 
 from rlmega.config import load_config
-from rlmega.trainer.assets import prepare_tiny_assets
 from rlmega.trainer.async_rollouts import AsyncRollouts, _Done, _Group, _Response
 from rlmega.trainer.controller import Trainer
 from rlmega.trainer.prompts import PromptSource
@@ -22,10 +23,8 @@ N, PROMPTS = 2, 2
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("assets")
-    prepare_tiny_assets(directory, num_train=32, num_val=8)
-    return directory
+def assets(tiny_assets):
+    return tiny_assets(num_train=32, num_val=8)
 
 
 def _config(tmp_path, assets, *overrides):
@@ -40,10 +39,10 @@ def _config(tmp_path, assets, *overrides):
         "sync.post_sync_check=false", "cluster.timeout_s=60", *overrides])
 
 
-def _async_trainer(tmp_path, assets, *overrides, tick_s=0.02, actor=None, job=None):
+def _async_trainer(tmp_path, assets, *overrides, tick_s=0.02, actor=None, job=None, engines=FakeAsyncEngines):
     config = _config(tmp_path, assets, *overrides)
     prompts = PromptSource(config)
-    engines = FakeAsyncEngines(prompts.tokenizer, prompts.stop_token_ids[0], tick_s=tick_s)
+    engines = engines(prompts.tokenizer, prompts.stop_token_ids[0], tick_s=tick_s)
     actor = actor(engines) if actor else FakeActor()
     trainer = Trainer(config, prompts, job or FakeJob(), actor, engines,
                       reference=FakeReference() if config.needs_reference else None)
@@ -95,9 +94,23 @@ def test_restart_throws_partial_responses_away(tmp_path, assets):
             assert len(set(versions.tolist())) == 1
 
 
+class RightOnEvenSums(FakeAsyncEngines):
+    """Every response to a prompt whose sum is even is right, so its group's scores are all equal whatever the
+    timing. Otherwise a group of three has one off-by-one answer (its seeds cover the three residues), unless a
+    weight sync cuts that response after a first digit it shares with the right answer (12 vs 13): the
+    continuation then turns it right, so which other groups end up equal depends on the timing."""
+
+    def target(self, prompt, request):
+        a, b = re.findall(r"(\d+)\+(\d+)=", self.tokenizer.decode(prompt))[-1]
+        if (int(a) + int(b)) % 2 == 0:
+            request = dataclasses.replace(request, seed=1)  # not one of the off-by-one third
+        return super().target(prompt, request)
+
+
 def test_dynamic_sampling_drops_equal_groups_in_async_mode(tmp_path, assets):
     trainer, actor, _, recording = _async_trainer(tmp_path, assets, "algo=dapo", "rollout.n=3",
-                                                  "actor.policy_loss.kl_loss_coef=0")
+                                                  "actor.policy_loss.kl_loss_coef=0", "algorithm.max_generation_rounds=20",
+                                                  engines=RightOnEvenSums)
     assert trainer.fit() == 0
     for rollouts in recording.taken.values():
         for group in set(rollouts.group_ids):

@@ -12,7 +12,6 @@ import time
 import pytest
 
 from rlmega.config import load_config
-from rlmega.trainer.assets import prepare_tiny_assets
 
 ASYNC = ["trainer.prompts_per_step=4", "rollout.n=4", "trainer.sft_steps=2", "trainer.val_every=0", "export_hf=false",
          "reward.num_workers=1", "layout.tp=1", "layout.world_size=1", "rollout.placement=disaggregated",
@@ -21,10 +20,8 @@ EXACT = ("timing_s/", "perf/", "sync/gbps", "actor/perf", "async/", "batch/gener
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("assets")
-    prepare_tiny_assets(directory, num_train=64, num_val=16)
-    return directory
+def assets(tiny_assets):
+    return tiny_assets(num_train=64, num_val=16)
 
 
 def _prepare(run_dir, assets):

@@ -79,3 +79,14 @@ def test_without_rollout_no_engine_starts(recorder, tmp_path):
     config = load_config("tiny_cpu", [f"run_dir={tmp_path}"], check=False)
     training, rollout, _ = cluster.start_workers(config, with_rollout=False)
     assert rollout is None and recorder.calls == ["ranks: start and set up"]
+
+
+def test_private_cluster_settings_keep_ray_quiet_and_yield_to_the_users_variables(monkeypatch):
+    for name in cluster.private_cluster_settings():
+        monkeypatch.delenv(f"RAY_{name}", raising=False)
+    settings = cluster.private_cluster_settings()
+    assert settings == {"task_events_max_num_task_in_gcs": 1000, "enable_metrics_collection": False,
+                        "event_stats": False, "enable_worker_prestart": False, "prestart_worker_first_driver": False}
+    monkeypatch.setenv("RAY_event_stats", "1")  # the user's own choice is left to Ray, which reads it
+    assert "event_stats" not in cluster.private_cluster_settings()
+    assert len(cluster.private_cluster_settings()) == len(settings) - 1

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from rlmega.config import load_config
-from rlmega.trainer.assets import prepare_tiny_assets
 
 TINY = ["trainer.prompts_per_step=4", "rollout.n=4", "trainer.sft_steps=2", "trainer.val_every=0",
         "trainer.save_every=1", "export_hf=false", "sync.post_sync_check=true", "reward.num_workers=1"]
@@ -25,10 +24,8 @@ DETERMINISTIC = {"timing_s/", "perf/", "sync/gbps", "actor/perf", "critic/perf"}
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("assets")
-    prepare_tiny_assets(directory, num_train=64, num_val=16)
-    return directory
+def assets(tiny_assets):
+    return tiny_assets(num_train=64, num_val=16)
 
 
 def _prepare(run_dir: Path, assets: Path) -> None:
