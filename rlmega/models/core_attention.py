@@ -12,11 +12,15 @@ memory and 3x faster on a 6k-token update: ``benchmarks/context_parallel.py``). 
 parallelism it all-gathers the keys and values of the CP group (each rank holds the zigzag share
 of the sequence described in ``rlmega.workers.context_parallel``) and attends from its own
 queries, so CP runs for real on CPU; transformer-engine's ring attention is the fast path on GPU.
+A packed row (sequences one after another, a block-causal mask) is attended one sequence at a time
+rather than as one ``S x S`` problem: on the tiny CPU job's 64-sequence updates that is what took the
+backward's time.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -119,13 +123,19 @@ class TorchCoreAttention(MegatronModule):
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(dk)
 
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, d]
-        masked = _blocked(attention_mask, attn_mask_type or self.attn_mask_type, query.shape[0], key.shape[0],
-                          query_positions, key_positions, q.device)
-        if self.training and self.dropout.p > 0:
-            context = self._attend_with_dropout(q, k, v, masked, scale)
-        else:  # torch's fused kernel: the same softmax attention, faster (every query sees at least itself)
-            context = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=None if masked is None else ~masked, scale=scale)
+        dropout = self.training and self.dropout.p > 0
+        row = cp == 1 and query.shape[1] == 1 and query.shape[0] == key.shape[0]  # one packed row, all of it here
+        segments = packed_segments(attention_mask) if row and not dropout else None
+        if segments is not None:  # a packed row: each sequence attends on its own
+            context = _attend_by_segment(q, k, v, segments, scale)
+        else:
+            masked = _blocked(attention_mask, attn_mask_type or self.attn_mask_type, query.shape[0], key.shape[0],
+                              query_positions, key_positions, q.device)
+            if dropout:
+                context = self._attend_with_dropout(q, k, v, masked, scale)
+            else:  # torch's fused kernel: the same softmax attention, faster (every query sees at least itself)
+                context = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=None if masked is None else ~masked, scale=scale)
         return context.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], heads * dv)
 
     def _attend_with_dropout(self, q, k, v, masked, scale: float) -> torch.Tensor:
@@ -140,6 +150,48 @@ class TorchCoreAttention(MegatronModule):
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 probs = self.dropout(probs)
         return torch.matmul(probs, v)  # [b, n, sq, dv]
+
+
+_last_segments: tuple = (lambda: None, None)
+"""The last mask ``packed_segments`` read (a weak reference) and its answer: every layer gets the same mask."""
+
+
+def packed_segments(attention_mask: Optional[torch.Tensor]) -> Optional[list[int]]:
+    """The segment lengths when ``attention_mask`` ([1, 1, S, S], True = blocked) is exactly a packed row's
+    block-causal mask (``rlmega.workers.batching.block_causal_mask``) and attending segment by segment costs
+    less than attending over the whole row; else None."""
+    global _last_segments
+    if attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[:2] != (1, 1):
+        return None
+    if _last_segments[0]() is attention_mask:
+        return _last_segments[1]
+    blocked = attention_mask[0, 0]
+    total = blocked.shape[-1]
+    if blocked.shape[0] != total or blocked.dtype != torch.bool or total < 2:
+        return None
+    # Query i sees key i - 1 exactly when both are in one segment; then the mask must be block-causal.
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.nonzero(blocked.diagonal(-1)).flatten() + 1])
+    lengths = torch.diff(starts, append=torch.tensor([total])).tolist()
+    segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    allowed = torch.ones(total, total, dtype=torch.bool).tril() & (segment.unsqueeze(0) == segment.unsqueeze(1))
+    exact = torch.equal(blocked.cpu(), ~allowed)
+    segments = lengths if exact and len(lengths) * max(lengths) ** 2 < total ** 2 else None
+    _last_segments = (weakref.ref(attention_mask), segments)
+    return segments
+
+
+def _attend_by_segment(q, k, v, lengths: list[int], scale: float) -> torch.Tensor:
+    """Causal attention within each segment of a packed row ``[1, n, S, d]``: the segments are laid out as rows
+    of a right-padded batch (a padded key comes after every real query of its row, so causality hides it) and
+    the real positions gathered back, in the row's order."""
+    longest = max(lengths)
+    starts = torch.cumsum(torch.tensor([0, *lengths[:-1]]), 0)
+    offsets = torch.arange(longest)
+    real = offsets.unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)  # [J, L]
+    index = torch.where(real, starts.unsqueeze(1) + offsets.unsqueeze(0), starts.unsqueeze(1)).to(q.device)
+    rows = [t[0][:, index].transpose(0, 1) for t in (q, k, v)]  # [J, n, L, d]
+    context = torch.nn.functional.scaled_dot_product_attention(*rows, is_causal=True, scale=scale)
+    return context.transpose(0, 1)[:, real.to(q.device)].unsqueeze(0)  # [1, n, S, dv]
 
 
 def _blocked(attention_mask, mask_type, sq: int, sk: int, query_positions, key_positions, device) -> Optional[torch.Tensor]:

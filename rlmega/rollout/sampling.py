@@ -67,8 +67,8 @@ def select_next_tokens(logits: torch.Tensor, rows: RowSampling) -> tuple[torch.T
 
     Greedy rows (temperature 0) take the argmax. Sampled rows divide by their temperature, keep their
     top-k logits, then the smallest prefix of that renormalised distribution whose mass reaches
-    top-p, and draw from the rest with their own generator. Ties keep the lowest token id first, so
-    top_k=1 matches greedy.
+    top-p, and draw from the rest with one uniform number from their own generator (inverse transform
+    sampling). Ties keep the lowest token id first, so top_k=1 matches greedy.
 
     Returns ``(tokens [B] int64, logprobs [B] float32)``, where ``logprobs`` is the log-prob of each
     chosen token under ``log_softmax(logits / temperature)`` (the raw logits for greedy rows): the
@@ -88,9 +88,14 @@ def select_next_tokens(logits: torch.Tensor, rows: RowSampling) -> tuple[torch.T
         top_p = torch.where(rows.top_p[sampled] >= 1, float("inf"), rows.top_p[sampled])
         mass_before = probs.cumsum(dim=-1) - probs  # exactly 0 at rank 0, which is therefore always kept
         probs = probs.masked_fill(mass_before >= top_p[:, None], 0.0)
-        for i, row in enumerate(sampled.tolist()):
-            rank = torch.multinomial(probs[i], 1, generator=rows.generators[row])
-            tokens[row] = sorted_ids[i, rank[0]]
+        # One uniform draw per row from its own generator, then the inverse of every row's cumulative
+        # distribution at once (a multinomial call per row cost 1.75 ms per token for 64 rows). A token
+        # of probability 0 shares its predecessor's cumulative mass, so it is never the first to reach u.
+        uniform = torch.stack([torch.rand((), generator=rows.generators[row], device=logits.device)
+                               for row in sampled.tolist()])
+        cumulative = probs.cumsum(dim=-1)
+        rank = (cumulative < uniform[:, None] * cumulative[:, -1:]).sum(dim=-1)
+        tokens[sampled] = sorted_ids.gather(-1, rank.clamp_max(probs.shape[-1] - 1)[:, None]).squeeze(-1)
     scale = torch.where(rows.temperature > 0, rows.temperature, torch.ones_like(rows.temperature))
     logprobs = torch.log_softmax(logits / scale[:, None], dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
     return tokens, logprobs

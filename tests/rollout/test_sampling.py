@@ -76,3 +76,14 @@ def test_request_seeds_separate_prompts_and_samples():
     assert torch.equal(first_draw(1, 2, 3), first_draw(1, 2, 3))
     draws = [first_draw(1, 0, 0), first_draw(1, 0, 1), first_draw(1, 1, 0), first_draw(2, 0, 0)]
     assert len({tuple(d.tolist()) for d in draws}) == 4
+
+
+def test_a_row_draws_the_inverse_of_its_distribution_at_one_uniform_of_its_generator():
+    rows = _rows(64, top_k=4, seed=3)  # top-k 4: the two least likely tokens have probability 0
+    uniforms = [torch.rand((), generator=request_generator(3, 0, row, CPU)).item() for row in range(64)]
+    tokens, _ = select_next_tokens(LOGITS.expand(64, -1).clone(), rows)
+    kept = torch.tensor([0.5, 0.25, 0.125, 0.0625]) / 0.9375  # the top 4, renormalised, in rank order
+    bounds = kept.cumsum(0).tolist()
+    expected = [ORDER[next(rank for rank, bound in enumerate(bounds) if u < bound)].item() for u in uniforms]
+    assert tokens.tolist() == expected
+    assert set(expected) == {3, 0, 5, 1}  # every kept token drawn at least once, no other
