@@ -68,7 +68,7 @@ def select_next_tokens(logits: torch.Tensor, rows: RowSampling) -> tuple[torch.T
     Greedy rows (temperature 0) take the argmax. Sampled rows divide by their temperature, keep their
     top-k logits, then the smallest prefix of that renormalised distribution whose mass reaches
     top-p, and draw from the rest with one uniform number from their own generator (inverse transform
-    sampling). Ties keep the lowest token id first, so top_k=1 matches greedy.
+    sampling, in token id order). Ties keep the lowest token id first, so top_k=1 matches greedy.
 
     Returns ``(tokens [B] int64, logprobs [B] float32)``, where ``logprobs`` is the log-prob of each
     chosen token under ``log_softmax(logits / temperature)`` (the raw logits for greedy rows): the
@@ -80,22 +80,31 @@ def select_next_tokens(logits: torch.Tensor, rows: RowSampling) -> tuple[torch.T
     sampled = (rows.temperature > 0).nonzero().flatten()
     if sampled.numel():
         scaled = logits[sampled] / rows.temperature[sampled, None]
-        sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)
-        ranks = torch.arange(scaled.shape[-1], device=logits.device)
-        sorted_logits = sorted_logits.masked_fill(ranks >= rows.top_k[sampled, None], float("-inf"))
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # top_p == 1 disables the filter outright, so rounding in the cumulative sum cannot drop the tail.
-        top_p = torch.where(rows.top_p[sampled] >= 1, float("inf"), rows.top_p[sampled])
-        mass_before = probs.cumsum(dim=-1) - probs  # exactly 0 at rank 0, which is therefore always kept
-        probs = probs.masked_fill(mass_before >= top_p[:, None], 0.0)
-        # One uniform draw per row from its own generator, then the inverse of every row's cumulative
-        # distribution at once (a multinomial call per row cost 1.75 ms per token for 64 rows). A token
-        # of probability 0 shares its predecessor's cumulative mass, so it is never the first to reach u.
+        probs = torch.softmax(scaled, dim=-1)
+        vocab = scaled.shape[-1]
+        filtered = ((rows.top_k[sampled] < vocab) | (rows.top_p[sampled] < 1)).nonzero().flatten()
+        if filtered.numel():  # only rows with a filter pay for the sort
+            probs[filtered] *= _kept(scaled[filtered], rows.top_k[sampled[filtered]], rows.top_p[sampled[filtered]])
+        # One uniform number per row from its own generator; the token is the first, in id order, whose
+        # cumulative mass exceeds it (all rows at once). A token of probability 0 adds no mass, so it never is.
+        # In float64, u * total stays below the total for every u < 1.
         uniform = torch.stack([torch.rand((), generator=rows.generators[row], device=logits.device)
-                               for row in sampled.tolist()])
-        cumulative = probs.cumsum(dim=-1)
-        rank = (cumulative < uniform[:, None] * cumulative[:, -1:]).sum(dim=-1)
-        tokens[sampled] = sorted_ids.gather(-1, rank.clamp_max(probs.shape[-1] - 1)[:, None]).squeeze(-1)
+                               for row in sampled.tolist()]).double()
+        cumulative = probs.double().cumsum(dim=-1)
+        tokens[sampled] = (cumulative <= uniform[:, None] * cumulative[:, -1:]).sum(dim=-1)
     scale = torch.where(rows.temperature > 0, rows.temperature, torch.ones_like(rows.temperature))
     logprobs = torch.log_softmax(logits / scale[:, None], dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
     return tokens, logprobs
+
+
+def _kept(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[R, V] 1 for the tokens each row keeps, else 0: its ``top_k`` largest logits (ties: lowest id first), then
+    the smallest prefix of that renormalised distribution whose mass reaches ``top_p``."""
+    ranked, order = scaled.sort(dim=-1, descending=True, stable=True)
+    ranks = torch.arange(scaled.shape[-1], device=scaled.device)
+    ranked_probs = torch.softmax(ranked.masked_fill(ranks >= top_k[:, None], float("-inf")), dim=-1)
+    # top_p == 1 disables the filter outright, so rounding in the cumulative sum cannot drop the tail.
+    top_p = torch.where(top_p >= 1, float("inf"), top_p)
+    mass_before = ranked_probs.cumsum(dim=-1) - ranked_probs  # exactly 0 at rank 0, which is therefore always kept
+    kept = (ranks < top_k[:, None]) & (mass_before < top_p[:, None])
+    return torch.zeros_like(scaled).scatter(-1, order, kept.to(scaled.dtype))

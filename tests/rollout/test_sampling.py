@@ -79,11 +79,21 @@ def test_request_seeds_separate_prompts_and_samples():
 
 
 def test_a_row_draws_the_inverse_of_its_distribution_at_one_uniform_of_its_generator():
-    rows = _rows(64, top_k=4, seed=3)  # top-k 4: the two least likely tokens have probability 0
+    rows = _rows(64, top_k=4, seed=3)  # top-k 4: tokens 4 and 2, the two least likely, have probability 0
     uniforms = [torch.rand((), generator=request_generator(3, 0, row, CPU)).item() for row in range(64)]
     tokens, _ = select_next_tokens(LOGITS.expand(64, -1).clone(), rows)
-    kept = torch.tensor([0.5, 0.25, 0.125, 0.0625]) / 0.9375  # the top 4, renormalised, in rank order
-    bounds = kept.cumsum(0).tolist()
-    expected = [ORDER[next(rank for rank, bound in enumerate(bounds) if u < bound)].item() for u in uniforms]
+    kept = torch.softmax(LOGITS, -1) * torch.tensor([1.0, 1, 0, 1, 0, 1])  # by token id
+    bounds = (kept.cumsum(0) / kept.sum()).tolist()
+    expected = [next(token for token, bound in enumerate(bounds) if u < bound) for u in uniforms]
     assert tokens.tolist() == expected
     assert set(expected) == {3, 0, 5, 1}  # every kept token drawn at least once, no other
+
+
+def test_rows_without_filters_draw_as_they_would_beside_filtered_rows():
+    plain = _rows(8, seed=4)
+    mixed = RowSampling(plain.temperature, torch.tensor([6, 2] * 4), torch.tensor([1.0, 0.5] * 4),
+                        [request_generator(4, 0, row, CPU) for row in range(8)])
+    alone, _ = select_next_tokens(LOGITS.expand(8, -1).clone(), plain)
+    beside, _ = select_next_tokens(LOGITS.expand(8, -1).clone(), mixed)
+    assert beside[0::2].tolist() == alone[0::2].tolist()  # the unfiltered rows take the same tokens
+    assert set(beside[1::2].tolist()) <= {3}  # top-k 2 then top-p 0.5 of (2/3, 1/3) keeps token 3 alone
