@@ -5,8 +5,8 @@ for `--steps` RL steps and, every `--every` steps (when that step's metrics row 
 memory of every process of the run (the driver and everything below it: the guardian, reward workers, Ray's GCS,
 raylet and agents, the training ranks, the engine and what they started) and the space used in /dev/shm. It
 prints the samples, grouped by kind of process, then each kind's growth from the first sample at or after
-`--from-step` to the last (target: <= 5 %). Each sample's total is printed as it is taken; Ctrl-C stops the run
-early and reports what was sampled.
+`--from-step` to the last (target: <= 5 %) and its trend (the least-squares slope from there, per 100 steps).
+Each sample's total is printed as it is taken; Ctrl-C stops the run early and reports what was sampled.
 
     python benchmarks/soak.py [--steps 500] [--every 10] [--from-step 50] [overrides...]
 """
@@ -124,6 +124,16 @@ def main() -> int:
     return report(samples, args, elapsed)
 
 
+def _slope(points: list[tuple[int, float]]) -> float:
+    """Least-squares slope of value over step (0 with fewer than two distinct steps)."""
+    if len({step for step, _ in points}) < 2:
+        return 0.0
+    mean_step = sum(step for step, _ in points) / len(points)
+    mean_value = sum(value for _, value in points) / len(points)
+    spread = sum((step - mean_step) ** 2 for step, _ in points)
+    return sum((step - mean_step) * (value - mean_value) for step, value in points) / spread
+
+
 def report(samples: list[tuple[int, dict[str, float]]], args: argparse.Namespace, elapsed: float) -> int:
     """Print the samples and each kind's growth from ``--from-step`` to the last sample."""
     if not samples:
@@ -139,14 +149,19 @@ def report(samples: list[tuple[int, dict[str, float]]], args: argparse.Namespace
         print(f"{step:>6}{sizes['processes']:>7.0f}{columns}")
     first = next(((step, sizes) for step, sizes in samples if step >= args.from_step), samples[0])
     last = samples[-1]
-    print(f"\ngrowth from step {first[0]} to step {last[0]} (target <= {TARGET_GROWTH:.0%})")
+    print(f"\ngrowth from step {first[0]} to step {last[0]} (target <= {TARGET_GROWTH:.0%}); trend: the least-squares "
+          "slope over those samples, per 100 steps (samples swing with checkpoints and validation; a leak shows as a "
+          "steady slope)")
+    window = [(step, sizes) for step, sizes in samples if step >= first[0]]
     worst = 0.0
     for kind in kinds:
         before, after = first[1].get(kind, 0.0), last[1].get(kind, 0.0)
         growth = (after - before) / before if before else 0.0
         if kind != "/dev/shm used":
             worst = max(worst, growth)
-        print(f"{kind:<16}{before / 2**20:>10.1f} MB -> {after / 2**20:>10.1f} MB  {growth:>+8.1%}")
+        slope = _slope([(step, sizes.get(kind, 0.0)) for step, sizes in window])
+        trend = f"{slope * 100 / before:>+8.2%} per 100 steps" if before else ""
+        print(f"{kind:<16}{before / 2**20:>10.1f} MB -> {after / 2**20:>10.1f} MB  {growth:>+8.1%}   trend {trend}")
     print(f"largest process-memory growth {worst:+.1%}: target {'met' if worst <= TARGET_GROWTH else 'NOT met'}")
     return 0
 
