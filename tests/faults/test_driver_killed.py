@@ -64,7 +64,7 @@ def test_driver_killed_at_20_seeded_points_resumes_to_the_uninterrupted_metrics(
     assert [row["step"] for row in expected] == list(range(1, TOTAL_STEPS + 1))
 
     rng = random.Random(KILL_SEED)
-    run_dir, landed = None, []
+    run_dir, landed, cut_saves = None, [], 0
     for number, point in enumerate(kill_plan()):
         run = start_run("killed", *RUN, log_name=f"killed-{number}")
         run_dir = run.run_dir
@@ -106,8 +106,13 @@ def test_driver_killed_at_20_seeded_points_resumes_to_the_uninterrupted_metrics(
         assert saved >= resumed_from, (saved, resumed_from, landed)  # a kill never loses a finished checkpoint
         if staged:
             half_written = int(staged[0].name[5:12])
-            assert staged[0].is_dir() and saved == half_written - 1, (staged, saved, landed)
+            if staged[0].is_dir():  # the save died with the ranks: only its staging directory is left
+                assert saved == half_written - 1, (staged, saved, landed)
+                cut_saves += 1
+            else:  # the ranks outlived the driver (the guardian polls) long enough to finish the save, whole
+                assert saved == half_written, (staged, saved, landed)
 
+    assert cut_saves > 0, landed  # at least one of the five save kills left a half-written checkpoint behind
     last_saved = _tracker(run_dir)
     assert last_saved < TOTAL_STEPS, landed  # the chain ended inside the run, so the last resume has steps to do
     final = start_run("killed", *RUN, log_name="killed-final")
