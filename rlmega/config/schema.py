@@ -65,6 +65,12 @@ class RolloutConfig:
     placement: str = choice("colocated", "disaggregated")
     """colocated: engines share the training ranks' resources and sleep while training runs (training
     offloads while engines generate); disaggregated: engines have resources of their own."""
+    colocated_offload: str = choice("auto", "always", "never")
+    """Colocated: whether training state moves to host memory while engines generate, and engines sleep
+    while training runs. auto: when either holds GPU memory (``cluster.gpus_per_rank`` or
+    ``rollout.gpus_per_engine`` > 0, or a vLLM / SGLang engine); on CPU both already live in host memory, so
+    the moves would only cost time; always; never (GPU memory enough for both at once; the planner counts
+    both in every phase)."""
     engine_spread: str = choice("pack", "spread")
     """pack: engines on as few nodes as possible; spread: one per node where possible."""
     cpus_per_engine: float = 1.0

@@ -947,7 +947,7 @@ VERL_SETTINGS: dict[str, Setting] = {
     f"{RO}.ignore_eos": refused("rlmega ends each response at EOS", False),
     f"{RO}.enforce_eager": needless(ENGINE, False),
     f"{RO}.cudagraph_capture_sizes": needless(ENGINE),
-    f"{RO}.free_cache_engine": needless("rlmega's colocated engines always release their memory while training runs",
+    f"{RO}.free_cache_engine": needless("rlmega's colocated engines release their memory while training runs (rollout.colocated_offload)",
                                         True),
     f"{RO}.tensor_model_parallel_size": mapped("rollout.tensor_parallel_size", default=2),
     f"{RO}.data_parallel_size": mapped("rollout.data_parallel_size", default=1),

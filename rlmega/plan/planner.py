@@ -258,16 +258,19 @@ def _position(run: _Run, raw: dict) -> Position:
     # The export holds a bucket and the largest tensor it gathers; rank 0 two buckets (one in transit).
     bucket = config.sync.bucket_bytes * (2 if stage == 0 else 1) + raw["roles"]["actor"]["sync_bytes"]["largest"]
     reserved = config.plan.reserved_gib * GIB
+    # rollout.colocated_offload=never: training state and engine stay resident together in every phase.
+    resident = engine_here if colocated and config.rollout.colocated_offload == "never" else 0.0
     phases = dict(
-        generate=reserved + ref_rest + (engine_here if colocated else trained),
-        logprobs=reserved + trained + ref_gpu + activations["forward"],
-        update=reserved + trained + ref_rest + activations["configured"],
+        generate=reserved + ref_rest + (engine_here + (trained if resident else 0.0) if colocated else trained),
+        logprobs=reserved + trained + ref_gpu + activations["forward"] + resident,
+        update=reserved + trained + ref_rest + activations["configured"] + resident,
         # Colocated, the woken engine also holds the buckets it receives (two slots).
         sync=reserved + trained + ref_rest + bucket + (engine_here + 2 * config.sync.bucket_bytes if engine_here else 0),
     )
     ref_host = ref_gpu if ref and config.ref.offload else 0.0
     # Host memory: the offloaded roles while the engines generate, or the sleeping engines' weights.
-    host = sum(m.optimizer_host for m in memory.values()) + ref_host + (max(trained, engine.weights) if colocated else 0.0)
+    swapped = colocated and config.rollout.colocated_offload != "never"
+    host = sum(m.optimizer_host for m in memory.values()) + ref_host + (max(trained, engine.weights) if swapped else 0.0)
     return Position(
         stages=raw["stages"], ranks=_ranges([(s * per_stage, (s + 1) * per_stage - 1) for s in raw["stages"]]),
         layers=_layers_label(raw), worst_rank=stage * per_stage + worst, roles=memory, activations=activations,

@@ -178,23 +178,32 @@ class Trainer:
 
     # ---- phases ---------------------------------------------------------------------------
 
+    @property
+    def _hands_over_memory(self) -> bool:
+        """Colocated parts take turns with the memory (``rollout.colocated_offload``)."""
+        rollout, cluster = self.config.rollout, self.config.cluster
+        if rollout.placement != "colocated" or rollout.colocated_offload == "never":
+            return False
+        return (rollout.colocated_offload == "always" or rollout.backend != "hf" or cluster.gpus_per_rank > 0
+                or rollout.gpus_per_engine > 0)
+
     @contextmanager
     def _rollout_phase(self):
         """Colocated: training memory goes to host while engines generate, then engines sleep."""
-        colocated = self.config.rollout.placement == "colocated"
-        if colocated:
+        hand_over = self._hands_over_memory
+        if hand_over:
             self.job.set_offloaded(True)
             self.engines.wake()
         try:
             yield
         finally:
-            if colocated:
+            if hand_over:
                 self.engines.sleep(level=1)
                 self.job.set_offloaded(False)
 
     def sync(self, version: int) -> dict[str, float]:
         """Push the actor's weights into every engine as ``version`` and, if configured, check them."""
-        if self.config.rollout.placement == "colocated":
+        if self._hands_over_memory:
             self.engines.wake()
         stats = self.actor.push_weights(self.engines, version, self.config.sync)
         metrics = {"sync/gbytes": stats.bytes / 1e9, "sync/gbps": stats.gbps}

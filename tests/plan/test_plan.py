@@ -126,3 +126,16 @@ def test_the_rank_order_the_planner_assumes_is_megatrons(degrees):
         finally:
             ps.destroy_model_parallel()
             dist.destroy_process_group()
+
+
+def test_colocated_parts_kept_resident_are_counted_together_in_every_phase():
+    base = make_plan(load_config("configs/recipes/qwen3_8b/grpo.yaml", check=False))
+    resident = make_plan(load_config("configs/recipes/qwen3_8b/grpo.yaml", ["rollout.colocated_offload=never"],
+                                     check=False))
+    [b], [r] = base.positions, resident.positions
+    assert r.phases["generate"] > b.phases["generate"]  # the training state stays while the engine generates
+    # ... and the engine while training runs: by the same amount in both training phases.
+    engine = r.phases["update"] - b.phases["update"]
+    assert engine > 0 and r.phases["logprobs"] - b.phases["logprobs"] == pytest.approx(engine)
+    assert r.phases["sync"] == pytest.approx(b.phases["sync"])  # both are resident for the sync either way
+    assert r.host < b.host  # nothing is parked in host memory

@@ -23,7 +23,7 @@ class FakeEngines:
 
     def __init__(self, tokenizer, stop_token_id: int):
         self.tokenizer, self.stop_token_id = tokenizer, stop_token_id
-        self.version, self.asleep = 0, False
+        self.version, self.asleep, self.sleeps = 0, False, 0
         self.calls: list[SamplingParams] = []
         self.shut_down = False
 
@@ -46,6 +46,7 @@ class FakeEngines:
 
     def sleep(self, level: int = 1) -> None:
         self.asleep = True
+        self.sleeps += 1
 
     def wake(self) -> None:
         self.asleep = False

@@ -40,6 +40,17 @@ def _trainer(tmp_path, assets, *overrides, shift=0.0):
     return Trainer(config, prompts, **parts), parts
 
 
+@pytest.mark.parametrize("setting, gpus, hands_over", [("auto", 0, False), ("auto", 1, True), ("always", 0, True),
+                                                      ("never", 1, False)])
+def test_colocated_parts_take_turns_with_memory_only_where_that_frees_some(tmp_path, assets, setting, gpus, hands_over):
+    trainer, parts = _trainer(tmp_path, assets, f"rollout.colocated_offload={setting}")
+    trainer.config.cluster.gpus_per_rank = gpus  # as a GPU cluster's config says (this machine has no GPU)
+    assert trainer.fit() == 0
+    turns = STEPS  # one rollout per step (no validation here)
+    assert parts["job"].offloads == ([True, False] * turns if hands_over else [])
+    assert parts["engines"].sleeps == (turns if hands_over else 0)
+
+
 def _scores(trainer, batch):
     """The rule score of every response of ``batch``, recomputed from its tokens."""
     truth = {tuple(r.prompt_token_ids): str(r.ground_truth) for r in trainer.prompts.dataset.batch(
@@ -52,7 +63,8 @@ def _scores(trainer, batch):
 
 
 def test_grpo_loop_calls_each_part_with_the_right_data(tmp_path, assets):
-    trainer, parts = _trainer(tmp_path, assets, "algo=grpo", "rollout.temperature=0.7", "trainer.fuse_old_logprob=false")
+    trainer, parts = _trainer(tmp_path, assets, "algo=grpo", "rollout.temperature=0.7", "trainer.fuse_old_logprob=false",
+                              "rollout.colocated_offload=always")
     assert trainer.fit() == 0
     actor, engines, job, reference = parts["actor"], parts["engines"], parts["job"], parts["reference"]
     assert len(actor.sft_batches) == 1 and actor.sft_batches[0][1] == trainer.config.trainer.sft_lr

@@ -50,7 +50,9 @@ def _comparable(row):
 
 
 @pytest.mark.parametrize("overrides", [
-    ["algo=grpo", "rollout.placement=colocated", "trainer.total_steps=2", "rollout.temperature=0.7"],
+    # Offloading moves nothing on CPU, so colocated runs skip it there; this one does it all the same.
+    ["algo=grpo", "rollout.placement=colocated", "rollout.colocated_offload=always", "trainer.total_steps=2",
+     "rollout.temperature=0.7"],
     ["algo=dapo", "rollout.placement=disaggregated", "rollout.num_engines=2", "trainer.total_steps=2"],
     ["algo=ppo", "rollout.placement=disaggregated", "trainer.total_steps=2"],
     ["algo=reinforce_plus_plus", "trainer.total_steps=1", "layout.tp=1"],
