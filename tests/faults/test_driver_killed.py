@@ -101,7 +101,7 @@ def test_driver_killed_at_20_seeded_points_resumes_to_the_uninterrupted_metrics(
         landed.append((point, target, run.last_step()))
         run.assert_nothing_left()
         saved = _tracker(run_dir)
-        # The tracker always names a complete checkpoint; a killed save leaves only its staging directory.
+        # The tracker always names a complete checkpoint; a cut save leaves only its staging directory.
         assert saved == 0 or (run_dir / "checkpoints" / "actor" / f"iter_{saved:07d}" / "rlmega.json").is_file()
         assert saved >= resumed_from, (saved, resumed_from, landed)  # a kill never loses a finished checkpoint
         if staged:
