@@ -1,6 +1,7 @@
 """Checkpoints for the sync tests, and a guard that no test leaves a shared-memory region behind."""
 
 import glob
+from pathlib import Path
 
 import pytest
 
@@ -9,7 +10,19 @@ from rollout.tiny_models import save_tiny_model
 
 
 def shm_regions() -> set[str]:
-    return set(glob.glob(f"/dev/shm/{SHM_PREFIX}*"))
+    """This test run's regions: each is named after the process that made it, and one made by a live process
+    outside this one's tree belongs to another job on the machine (a run beside the tests)."""
+    import os
+
+    from rlmega.launch.guardian import process_tree
+
+    ours = process_tree(os.getpid())
+    regions = set()
+    for path in glob.glob(f"/dev/shm/{SHM_PREFIX}*"):
+        maker = Path(path).name[len(SHM_PREFIX):].split("-")[0]
+        if not maker.isdigit() or int(maker) in ours or not Path(f"/proc/{maker}").exists():
+            regions.add(path)
+    return regions
 
 
 @pytest.fixture(autouse=True)
