@@ -31,6 +31,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from rlmega.parallel.layout import zigzag_positions
+from rlmega.workers.batching import block_causal_mask
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -158,7 +159,7 @@ _last_segments: tuple = (lambda: None, None)
 
 def packed_segments(attention_mask: Optional[torch.Tensor]) -> Optional[list[int]]:
     """The segment lengths when ``attention_mask`` ([1, 1, S, S], True = blocked) is exactly a packed row's
-    block-causal mask (``rlmega.workers.batching.block_causal_mask``) and attending segment by segment costs
+    block-causal mask (``block_causal_mask``) and attending segment by segment costs
     less than attending over the whole row; else None."""
     global _last_segments
     if attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[:2] != (1, 1):
@@ -172,9 +173,7 @@ def packed_segments(attention_mask: Optional[torch.Tensor]) -> Optional[list[int
     # Query i sees key i - 1 exactly when both are in one segment; then the mask must be block-causal.
     starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.nonzero(blocked.diagonal(-1)).flatten() + 1])
     lengths = torch.diff(starts, append=torch.tensor([total])).tolist()
-    segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    allowed = torch.ones(total, total, dtype=torch.bool).tril() & (segment.unsqueeze(0) == segment.unsqueeze(1))
-    exact = torch.equal(blocked.cpu(), ~allowed)
+    exact = torch.equal(attention_mask.cpu(), block_causal_mask(lengths))
     segments = lengths if exact and len(lengths) * max(lengths) ** 2 < total ** 2 else None
     _last_segments = (weakref.ref(attention_mask), segments)
     return segments
