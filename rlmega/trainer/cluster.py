@@ -51,8 +51,10 @@ def connect(config: RLConfig) -> None:
 def private_cluster_settings() -> dict[str, object]:
     """Ray settings of the private cluster a run starts (a ``RAY_<name>`` variable set by the user wins)."""
     settings = {
-        # The GCS keeps an event record of every task, up to 100k by default: a run makes tens per step, so the
-        # GCS grew for hours (benchmarks/soak.py). Without a dashboard nobody reads them; keep the last few.
+        # Every process reports an event record of each task to the GCS, which keeps up to 100k by default: a run
+        # makes tens per step, so the GCS grew for hours (benchmarks/soak.py). Without a dashboard nobody reads
+        # them: report none, and should a user turn reporting back on, keep only the last few.
+        "task_events_report_interval_ms": 0,
         "task_events_max_num_task_in_gcs": 1000,
         # Nor the metrics and per-handler event statistics every Ray process records for the dashboard: without
         # them the raylet's heap grows at half the rate over a long run (benchmarks/soak.py).

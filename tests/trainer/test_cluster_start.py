@@ -85,7 +85,8 @@ def test_private_cluster_settings_keep_ray_quiet_and_yield_to_the_users_variable
     for name in cluster.private_cluster_settings():
         monkeypatch.delenv(f"RAY_{name}", raising=False)
     settings = cluster.private_cluster_settings()
-    assert settings == {"task_events_max_num_task_in_gcs": 1000, "enable_metrics_collection": False,
+    assert settings == {"task_events_report_interval_ms": 0, "task_events_max_num_task_in_gcs": 1000,
+                        "enable_metrics_collection": False,
                         "event_stats": False, "enable_worker_prestart": False, "prestart_worker_first_driver": False}
     monkeypatch.setenv("RAY_event_stats", "1")  # the user's own choice is left to Ray, which reads it
     assert "event_stats" not in cluster.private_cluster_settings()
