@@ -53,3 +53,14 @@ def tiny_assets(tmp_path_factory):
         return made[key]
 
     return directory_for
+
+
+@pytest.fixture
+def local_ray():
+    """A private one-CPU Ray for the test (nothing forwarded to the console), shut down after it."""
+    import ray
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1",
+             object_store_memory=100 * 1024**2, log_to_driver=False)
+    yield
+    ray.shutdown()

@@ -13,6 +13,15 @@ class WorkerFailure(RunFailure):
     """A training rank or rollout engine died, raised, or did not answer in time."""
 
 
+_actor_names: dict[str, str] = {}
+"""Ray actor id (hex) -> the name of a worker this driver started, for the workers other workers call
+(engines: the ranks sync weights into them and probe them), so that a death inside such a call names the dead."""
+
+
+def name_actors(actor_ids: Sequence[str], names: Sequence[str]) -> None:
+    _actor_names.update(zip(actor_ids, names))
+
+
 def wait_all(refs: Sequence[Any], names: Sequence[str], timeout_s: float, what: str) -> list:
     """``ray.get`` of ``refs`` (one per named worker) within ``timeout_s``; raises WorkerFailure
     naming the first worker that failed or is late, and what it was doing."""
@@ -30,11 +39,15 @@ def wait_all(refs: Sequence[Any], names: Sequence[str], timeout_s: float, what: 
         ref = done[0]
         try:
             results[ref] = ray.get(ref, timeout=timeout_s)
+        except RayTaskError as error:  # first: the worker is alive; if an actor it called died, Ray's error is
+            cause = error.cause if getattr(error, "cause", None) is not None else error  # a RayActorError too
+            if isinstance(cause, RayActorError):
+                dead = _actor_names.get(getattr(cause, "actor_id", None) or "", "an actor it called")
+                raise WorkerFailure(f"{what}: {dead} died ({_why(cause)}) while {pending[ref]} was calling it"
+                                    f"{_log_hint(dead)}") from error
+            raise WorkerFailure(f"{what}: {pending[ref]} raised {type(cause).__name__}: {cause}") from error
         except RayActorError as error:
             raise WorkerFailure(f"{what}: {pending[ref]} died ({_why(error)}){_log_hint(pending[ref])}") from error
-        except RayTaskError as error:
-            cause = error.cause if getattr(error, "cause", None) is not None else error
-            raise WorkerFailure(f"{what}: {pending[ref]} raised {type(cause).__name__}: {cause}") from error
         except GetTimeoutError as error:
             raise WorkerFailure(f"{what}: no answer from {pending[ref]} within {timeout_s:.0f} s") from error
     return [results[ref] for ref in refs]

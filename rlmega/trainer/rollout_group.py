@@ -11,16 +11,17 @@ from typing import TYPE_CHECKING, Optional
 
 from rlmega.config.schema import RLConfig
 from rlmega.rollout.protocol import Generation, SamplingParams
-from rlmega.trainer.remote import WorkerFailure, wait_all
+from rlmega.trainer.remote import WorkerFailure, name_actors, wait_all
 
 if TYPE_CHECKING:
     import ray
 
 
-def _engine_node(_actor) -> tuple[str, str]:
+def _engine_node(_actor) -> tuple[str, str, str]:
     import ray
 
-    return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+    context = ray.get_runtime_context()
+    return context.get_node_id(), ray.util.get_node_ip_address(), context.get_actor_id()
 
 
 class RolloutGroup:
@@ -63,7 +64,8 @@ class RolloutGroup:
         """Return once every engine has started (its constructor returned); WorkerFailure names one that did
         not. Fills ``nodes``."""
         located = wait_all(self._located, self.names, max(self.timeout_s, 300.0), "starting engines")
-        self.nodes = [{"engine": index, "node_id": node, "ip": ip} for index, (node, ip) in enumerate(located)]
+        self.nodes = [{"engine": index, "node_id": node, "ip": ip} for index, (node, ip, _) in enumerate(located)]
+        name_actors([actor_id for _, _, actor_id in located], self.names)  # the ranks call them too
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, images=None) -> list[Generation]:
         """Responses of all prompts, prompt-major; prompts are split into contiguous shares per engine.

@@ -1,4 +1,4 @@
-"""Checkpoints shared by the rollout tests (built once per session, read-only afterwards), and a local Ray."""
+"""Checkpoints shared by the rollout tests (built once per session, read-only afterwards)."""
 
 import pytest
 
@@ -33,13 +33,3 @@ def mixtral_dirs(tmp_path_factory):
 @pytest.fixture(scope="session")
 def gpt2_dir(tmp_path_factory):
     return _checkpoint(tmp_path_factory, "gpt2", seed=0)
-
-
-@pytest.fixture
-def local_ray():
-    import ray
-
-    ray.init(address="local", num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1",
-             object_store_memory=100 * 1024**2, log_to_driver=False)
-    yield
-    ray.shutdown()

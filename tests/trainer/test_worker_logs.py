@@ -147,3 +147,34 @@ def test_ray_dead_worker_paragraphs_leave_the_console(tmp_path, capsys):
     out = capsys.readouterr()
     assert "A worker died" not in out.out + out.err and "something else" in out.out + out.err
     assert (tmp_path / "ray-errors.log").read_text().startswith("A worker died or was killed")
+
+
+
+def test_a_worker_that_dies_inside_another_workers_call_is_the_one_named(local_ray):
+    """A training rank calls an engine (weight sync, post-sync probes); when the engine dies then, the rank's call
+    fails with an error that Ray makes a RayActorError too. The one-line failure names the engine, not the rank."""
+    import ray
+
+    from rlmega.trainer.remote import name_actors, wait_all
+
+    class Callee:  # defined here, so that Ray ships the classes by value (the workers cannot import tests)
+        def actor_id(self):
+            return ray.get_runtime_context().get_actor_id()
+
+        def die(self):
+            import os
+
+            os._exit(1)
+
+    class Caller:
+        def call(self, callee):
+            return ray.get(callee.die.remote())
+
+    callee, caller = ray.remote(Callee).remote(), ray.remote(Caller).remote()
+    name_actors([ray.get(callee.actor_id.remote(), timeout=120)], ["rollout engine 0"])
+    with pytest.raises(WorkerFailure) as failure:
+        wait_all([caller.call.remote(callee)], ["training rank 0"], 120.0, "post-sync check")
+    message = str(failure.value)
+    assert message.startswith("post-sync check: rollout engine 0 died (its process ended unexpectedly"), message
+    assert message.endswith("while training rank 0 was calling it") and "\n" not in message
+    assert ray.get(caller.__ray_ready__.remote(), timeout=60)  # the caller itself lives on
