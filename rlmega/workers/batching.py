@@ -17,6 +17,7 @@ A sequence is ``prompt + response``; the model is trained and scored only on res
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 from typing import Optional
 
@@ -84,13 +85,14 @@ class SequenceBatch:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    @property
+    # Read many times per step, a torch call per sequence each: worked out once (a batch's sequences never change).
+    @functools.cached_property
     def lengths(self) -> list[int]:
         return [tokens.numel() for tokens in self.tokens]
 
-    @property
+    @functools.cached_property
     def response_lengths(self) -> list[int]:
-        return [tokens.numel() - prompt for tokens, prompt in zip(self.tokens, self.prompt_lengths)]
+        return [length - prompt for length, prompt in zip(self.lengths, self.prompt_lengths)]
 
     def select(self, indices: list[int]) -> "SequenceBatch":
         return SequenceBatch(
@@ -222,10 +224,12 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _response_slots(start: int, tokens: torch.Tensor, prompt_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions (offset by ``start``) that predict the response tokens, and those tokens."""
-    positions = torch.arange(prompt_length - 1, tokens.numel() - 1) + start
-    return positions, tokens[prompt_length:]
+def concatenated_ranges(starts: list[int], counts: list[int]) -> torch.Tensor:
+    """``cat([arange(start, start + count) for ...])`` in a handful of tensor ops, not one per range: a batch
+    has hundreds of sequences, and each op costs more than the arithmetic."""
+    counts_t = torch.tensor(counts, dtype=torch.long)
+    first = torch.tensor(starts, dtype=torch.long) - (torch.cumsum(counts_t, 0) - counts_t)
+    return torch.arange(int(sum(counts))) + torch.repeat_interleave(first, counts_t)
 
 
 def build_micro_batch(
@@ -255,21 +259,29 @@ def build_micro_batch(
             rows, width = max(rows, shape[0]), max(width, shape[1])
     tokens = torch.full((rows, width), pad_token_id, dtype=torch.long)
     position_ids = torch.arange(width).repeat(rows, 1)
-    positions, targets, placements = [], [], []
-    real_lengths, slot_lengths = [], []  # packed segments: tokens used, tokens occupied
-    offset = 0
-    for row, (sequence, prompt, slot) in enumerate(zip(sequences, prompts, slots)):
-        start = offset if packing else row * width
-        tokens.view(-1)[start:start + sequence.numel()] = sequence
-        placements.append((start, sequence.numel()))
-        if packing:
-            position_ids[0, offset:offset + slot] = torch.arange(slot)
-            real_lengths.append(sequence.numel())
-            slot_lengths.append(slot)
-            offset += slot
-        slot_positions, slot_targets = _response_slots(start, sequence, prompt)
-        positions.append(slot_positions)
-        targets.append(slot_targets)
+    lengths = [batch.lengths[i] for i in indices]
+    responses = [length - prompt for length, prompt in zip(lengths, prompts)]
+    if packing:
+        starts = [0]
+        for slot in slots[:-1]:
+            starts.append(starts[-1] + slot)
+    else:
+        starts = [row * width for row in range(len(sequences))]
+    offset = sum(slots) if packing else 0
+    real_lengths, slot_lengths = (list(lengths), list(slots)) if packing else ([], [])  # packed segments
+    placements = list(zip(starts, lengths))
+    positions = targets = torch.zeros(0, dtype=torch.long)
+    if sequences:
+        concatenated = torch.cat(sequences)
+        tokens.view(-1)[concatenated_ranges(starts, lengths)] = concatenated
+        if packing:  # positions count from 0 in every slot
+            position_ids[0, :offset] = concatenated_ranges([0] * len(slots), slots)
+        # The positions that predict the response tokens (from each prompt's last token on), and those tokens.
+        positions = concatenated_ranges([start + prompt - 1 for start, prompt in zip(starts, prompts)], responses)
+        first = [0]
+        for length in lengths[:-1]:
+            first.append(first[-1] + length)
+        targets = concatenated[concatenated_ranges([at + prompt for at, prompt in zip(first, prompts)], responses)]
     images = {}
     if vision is not None:
         position_ids, images = _multimodal_inputs(batch, indices, placements, position_ids, vision)
@@ -286,9 +298,7 @@ def build_micro_batch(
     return MicroBatch(
         indices=list(indices), tokens=tokens, position_ids=position_ids, attention_mask=attention_mask,
         packed_seq_params=packed_seq_params,
-        response_positions=torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long),
-        response_targets=torch.cat(targets) if targets else torch.zeros(0, dtype=torch.long),
-        response_lengths=[s.numel() - p for s, p in zip(sequences, prompts)],
+        response_positions=positions, response_targets=targets, response_lengths=responses,
         placements=placements,
         routing=None if batch.routing is None else _routing_rows(batch, indices, placements, rows, width),
         **images,
@@ -331,12 +341,16 @@ def _routing_rows(batch: SequenceBatch, indices: list[int], placements: list[tup
 
 
 def block_causal_mask(segment_lengths: list[int]) -> torch.Tensor:
-    """``[1, 1, S, S]`` bool mask (True = masked) letting each token see only earlier tokens of its segment."""
-    segment = torch.repeat_interleave(torch.arange(len(segment_lengths)), torch.tensor(segment_lengths))
-    total = segment.numel()
-    causal = torch.ones(total, total, dtype=torch.bool).tril()
-    allowed = causal & (segment.unsqueeze(0) == segment.unsqueeze(1))
-    return (~allowed).view(1, 1, total, total)
+    """``[1, 1, S, S]`` bool mask (True = masked) letting each token see only earlier tokens of its segment.
+    The mask carries ``segment_lengths`` as an attribute, so that attention need not read them back from it."""
+    lengths = torch.tensor(segment_lengths, dtype=torch.long)
+    first = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)  # each token's segment start
+    position = torch.arange(first.numel())
+    # Query i may see keys first[i]..i: three passes over the S x S mask (it is large for a packed row).
+    mask = (position.unsqueeze(0) > position.unsqueeze(1)) | (position.unsqueeze(0) < first.unsqueeze(1))
+    mask = mask.view(1, 1, *mask.shape)
+    mask.segment_lengths = list(segment_lengths)
+    return mask
 
 
 def _thd_params(real_lengths: list[int], slot_lengths: list[int], padded_slots: bool):
@@ -357,19 +371,23 @@ def _thd_params(real_lengths: list[int], slot_lengths: list[int], padded_slots: 
     )
 
 
-def padded_field(values: list[torch.Tensor], dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B, R_max]`` right-padded values and the ``[B, R_max]`` bool mask of real entries."""
-    width = max((v.numel() for v in values), default=0)
-    padded = torch.zeros(len(values), width, dtype=dtype)
-    mask = torch.zeros(len(values), width, dtype=torch.bool)
-    for row, value in enumerate(values):
-        padded[row, :value.numel()] = value.to(dtype)
-        mask[row, :value.numel()] = True
+def padding_mask(lengths: list[int]) -> torch.Tensor:
+    """``[B, max(lengths)]`` bool, True at the first ``lengths[i]`` entries of row i."""
+    return torch.arange(max(lengths, default=0)).unsqueeze(0) < torch.tensor(lengths, dtype=torch.long).unsqueeze(1)
+
+
+def padded_field(values: list[torch.Tensor], dtype=torch.float32,
+                 lengths: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, R_max]`` right-padded values and the ``[B, R_max]`` bool mask of real entries (``lengths``: the
+    values' lengths, when the caller knows them)."""
+    mask = padding_mask([value.numel() for value in values] if lengths is None else lengths)
+    padded = torch.zeros(mask.shape, dtype=dtype)
+    if values:
+        padded[mask] = torch.cat(values).to(dtype)
     return padded, mask
 
 
 def split_padded(flat: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """Per-token values ``[N]`` listed sequence by sequence -> ``[B, R_max]`` right-padded (differentiable)."""
-    width = max(lengths, default=0)
-    rows = [torch.nn.functional.pad(part, (0, width - part.numel())) for part in torch.split(flat, lengths)]
-    return torch.stack(rows) if rows else flat.new_zeros(0, width)
+    mask = padding_mask(lengths).to(flat.device)
+    return flat.new_zeros(mask.shape).masked_scatter(mask, flat)

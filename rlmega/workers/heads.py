@@ -16,7 +16,7 @@ from rlmega.algos import (
     LossDenominators, clipped_value_loss, entropy_bonus, get_policy_loss, kl_loss,
 )
 from rlmega.algos._utils import masked_mean
-from rlmega.workers.batching import MicroBatch, SequenceBatch, padded_field, split_padded
+from rlmega.workers.batching import MicroBatch, SequenceBatch, padded_field, padding_mask, split_padded
 from rlmega.workers.config import CriticLossConfig, PolicyLossConfig
 from rlmega.workers.context_parallel import gather_response_values
 from rlmega.workers.logprobs import vocab_parallel_logprobs
@@ -76,19 +76,21 @@ def value_head() -> Head:
 
 def global_denominators(batch: SequenceBatch) -> LossDenominators:
     """Valid tokens and sequences of the whole mini-batch (every rank holds all of it)."""
-    masks = batch.fields.get("response_mask") or [torch.ones(n) for n in batch.response_lengths]
-    num_tokens = sum(int(mask.bool().sum()) for mask in masks)
-    num_seqs = sum(int(mask.bool().any()) for mask in masks)
-    return LossDenominators(torch.tensor(num_tokens), torch.tensor(num_seqs))
+    if "response_mask" not in batch.fields:  # every response has at least one token
+        return LossDenominators(torch.tensor(sum(batch.response_lengths)), torch.tensor(len(batch)))
+    masks, _ = padded_field(batch.fields["response_mask"])
+    masks = masks.bool()
+    return LossDenominators(masks.sum(), masks.any(dim=1).sum())
 
 
 def _field(batch: SequenceBatch, name: str, micro_batch: MicroBatch, device) -> torch.Tensor:
-    values, _ = padded_field([batch.fields[name][i] for i in micro_batch.indices])
+    values, _ = padded_field([batch.fields[name][i] for i in micro_batch.indices],
+                             lengths=micro_batch.response_lengths)
     return values.to(device)
 
 
 def _mask(batch: SequenceBatch, micro_batch: MicroBatch, device) -> torch.Tensor:
-    _, mask = padded_field([torch.ones(n) for n in micro_batch.response_lengths])
+    mask = padding_mask(micro_batch.response_lengths)
     if "response_mask" in batch.fields:
         mask &= _field(batch, "response_mask", micro_batch, "cpu").bool()
     return mask.to(device)

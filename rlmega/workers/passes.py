@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from rlmega.workers.batching import MicroBatch
+from rlmega.workers.batching import MicroBatch, concatenated_ranges
 
 # (micro_batch, last-stage output [B, S, V_local or 1]) -> HeadResult
 Head = Callable[[MicroBatch, torch.Tensor], "HeadResult"]
@@ -140,9 +140,8 @@ def scatter_outputs(
     flat = torch.zeros(offsets[-1], dtype=torch.float32)
     if reporting_rank():
         for result, micro_batch in zip(results, micro_batches):
-            values = torch.split(result.outputs[name].detach().float().cpu(), micro_batch.response_lengths)
-            for index, value in zip(micro_batch.indices, values):
-                flat[offsets[index]:offsets[index + 1]] = value
+            slots = concatenated_ranges([offsets[index] for index in micro_batch.indices], micro_batch.response_lengths)
+            flat[slots] = result.outputs[name].detach().float().cpu()
     if dist.is_initialized():
         dist.all_reduce(flat)
-    return [flat[offsets[i]:offsets[i + 1]].clone() for i in range(len(response_lengths))]
+    return [part.clone() for part in flat.split(response_lengths)]  # each its own storage, sent on its own

@@ -33,7 +33,7 @@ from rlmega.workers.batching import (
 )
 from rlmega.workers.config import WorkerConfig
 from rlmega.workers.context_parallel import split_micro_batch
-from rlmega.workers.model import build_model, build_optimizer, resolve_dtype
+from rlmega.workers.model import build_model, build_optimizer, resolve_dtype, use_fused_cpu_adam
 from rlmega.workers.offload import HostOffload, model_tensors, optimizer_tensors
 from rlmega.workers.passes import combine_metrics, run_schedule, scatter_outputs
 from rlmega.workers.perf import PerfCounter
@@ -247,13 +247,12 @@ class MegatronWorker:
         self.optimizer.zero_grad()  # param.grad aliases the buffer after a step; clear it too
 
     def _grads_finite(self) -> bool:
-        """Whether every rank's gradients are finite (collective)."""
+        """Whether every rank's gradients are finite (collective). One sum per gradient buffer (Megatron keeps
+        all of a chunk's gradients in a few): a NaN or infinity anywhere makes it non-finite."""
         total = torch.zeros(1, dtype=torch.float64)
         for chunk in self.chunks:
-            for param in chunk.parameters():
-                grad = getattr(param, "main_grad", None)
-                if grad is not None:
-                    total += grad.detach().double().pow(2).sum().cpu()
+            for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                total += buffer.grad_data.detach().sum().double().cpu()
         if dist.is_initialized():
             dist.all_reduce(total)
         return bool(torch.isfinite(total))
@@ -341,6 +340,8 @@ class MegatronWorker:
         """Load a checkpoint saved in any layout; returns the ``extra`` it was saved with."""
         with self._on_device():
             self.step, extra = checkpoint.load_checkpoint(path, self.chunks, self.optimizer, self.scheduler)
+        if self.optimizer is not None:
+            use_fused_cpu_adam(self.optimizer)
         self.skipped_steps = int(extra.pop("skipped_steps", 0))
         return extra
 

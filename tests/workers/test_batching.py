@@ -5,7 +5,7 @@ import torch
 
 from rlmega.workers.batching import (
     SequenceBatch, balance_across_ranks, block_causal_mask, build_micro_batch, count_micro_batches,
-    padded_field, split_by_token_budget, split_padded,
+    concatenated_ranges, padded_field, split_by_token_budget, split_padded,
 )
 
 
@@ -78,3 +78,60 @@ def test_sequence_batch_rejects_bad_input(bad, message):
     arguments.update(bad)
     with pytest.raises(ValueError, match=message):
         SequenceBatch(**arguments)
+
+
+def test_concatenated_ranges_equal_one_arange_per_range():
+    starts, counts = [5, 0, 17, 3, 9], [3, 0, 1, 4, 2]
+    expected = torch.cat([torch.arange(start, start + count) for start, count in zip(starts, counts)])
+    assert torch.equal(concatenated_ranges(starts, counts), expected)
+    assert concatenated_ranges([], []).numel() == 0
+
+
+def _reference_micro_batch(batch, indices, packing, width, segment_multiple=1):
+    """build_micro_batch's tokens, positions and response slots, one sequence at a time (what it vectorizes)."""
+    rows = 1 if packing else max(len(indices), 1)
+    tokens = torch.zeros(rows, width, dtype=torch.long)
+    position_ids = torch.arange(width).repeat(rows, 1)
+    positions, targets, offset = [], [], 0
+    for row, index in enumerate(indices):
+        sequence, prompt = batch.tokens[index], batch.prompt_lengths[index]
+        start = offset if packing else row * width
+        tokens.view(-1)[start:start + sequence.numel()] = sequence
+        if packing:
+            slot = -(-sequence.numel() // segment_multiple) * segment_multiple
+            position_ids[0, offset:offset + slot] = torch.arange(slot)
+            offset += slot
+        positions.append(torch.arange(prompt - 1, sequence.numel() - 1) + start)
+        targets.append(sequence[prompt:])
+    return tokens, position_ids, torch.cat(positions), torch.cat(targets)
+
+
+@pytest.mark.parametrize("packing, segment_multiple", [(True, 1), (True, 4), (False, 1)])
+def test_micro_batch_equals_the_one_sequence_at_a_time_layout(packing, segment_multiple):
+    generator = torch.Generator().manual_seed(3)
+    lengths = [int(n) for n in torch.randint(2, 12, (9,), generator=generator)]
+    prompts = [int(torch.randint(1, n, (1,), generator=generator)) for n in lengths]
+    batch = SequenceBatch([torch.randint(1, 50, (n,), generator=generator) for n in lengths], prompts)
+    indices = [4, 0, 7, 2, 8]
+    micro = build_micro_batch(batch, indices, packing=packing, pad_to_multiple=4, segment_multiple=segment_multiple)
+    tokens, position_ids, positions, targets = _reference_micro_batch(
+        batch, indices, packing, micro.tokens.shape[1], segment_multiple)
+    assert torch.equal(micro.tokens, tokens) and torch.equal(micro.position_ids, position_ids)
+    assert torch.equal(micro.response_positions, positions) and torch.equal(micro.response_targets, targets)
+    assert micro.response_lengths == [lengths[i] - prompts[i] for i in indices]
+
+
+def test_split_padded_passes_gradients_to_each_token():
+    flat = torch.arange(1.0, 7.0, requires_grad=True)
+    padded = split_padded(flat, [3, 1, 2])
+    assert padded.tolist() == [[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [5.0, 6.0, 0.0]]
+    (padded * torch.arange(9.0).view(3, 3)).sum().backward()
+    assert flat.grad.tolist() == [0.0, 1.0, 2.0, 3.0, 6.0, 7.0]  # each token's weight where it was placed
+
+
+def test_padded_field_of_mixed_lengths_and_an_empty_batch():
+    values = [torch.tensor([True, False, True]), torch.tensor([False])]
+    padded, mask = padded_field(values, lengths=[3, 1])
+    assert padded.tolist() == [[1.0, 0.0, 1.0], [0.0, 0.0, 0.0]] and mask.tolist() == [[True] * 3, [True, False, False]]
+    padded, mask = padded_field([])
+    assert padded.shape == (0, 0) and mask.shape == (0, 0)

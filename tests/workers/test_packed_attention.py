@@ -79,3 +79,10 @@ def test_a_packed_row_takes_the_segment_path(monkeypatch):
     assert taken == [lengths, lengths]
     attention(q.expand(12, 2, HEADS, DIM), k.expand(12, 2, GROUPS, DIM), v.expand(12, 2, GROUPS, DIM), None)
     assert len(taken) == 2  # padded rows (batch of 2, no mask) keep torch's kernel
+
+
+def test_segments_come_from_the_mask_builder_without_reading_the_mask(monkeypatch):
+    mask = block_causal_mask([3, 5, 1, 4])
+    monkeypatch.setattr(core_attention, "block_causal_mask", None)  # reading the mask back would call it
+    assert packed_segments(mask) == [3, 5, 1, 4]
+    assert packed_segments(block_causal_mask([2, 30])) is None  # still only where segments cost less

@@ -89,6 +89,37 @@ def test_offloaded_reference_comes_in_for_the_pass_and_goes_back(llama):
 
 # ---- checkpoints ------------------------------------------------------------------------------
 
+def _fused_flags(worker) -> list:
+    return [group["fused"] for inner in worker.optimizer.chained_optimizers for group in inner.optimizer.param_groups]
+
+
+def _fused_adam_body(rank, world_size, layout, hf_dir):
+    initialize(layout)
+    steps = {}
+    for fused in (True, False):
+        worker = MegatronWorker(model_spec_from_hf(hf_dir), layout, _actor_config(), hf_dir=hf_dir)
+        built = _fused_flags(worker)
+        for inner in worker.optimizer.chained_optimizers:
+            for group in inner.optimizer.param_groups:
+                group["fused"] = fused  # False: torch's default on CPU, one parameter at a time
+        for seed in (1, 2, 3):
+            worker.update(_train_batch(worker, seed))
+        steps[fused] = (built, _weights(worker))
+    destroy()
+    return steps
+
+
+def test_adam_steps_with_torchs_fused_cpu_kernel_and_the_same_result(llama):
+    """On CPU the optimizer uses torch's fused AdamW kernel (not its Python loop over parameters), and three
+    steps give the weights the loop gives, up to fp32 rounding."""
+    steps = run_on_ranks(_fused_adam_body, 1, timeout_s=TIMEOUT_S, args=(ParallelLayout(), str(llama)))[0]
+    built, fused = steps[True]
+    assert built and all(built)
+    _, looped = steps[False]
+    for name, tensor in fused.items():
+        torch.testing.assert_close(tensor, looped[name], atol=1e-6, rtol=0, msg=name)
+
+
 def _save_body(rank, world_size, layout, hf_dir, root):
     initialize(layout)
     worker = MegatronWorker(model_spec_from_hf(hf_dir), layout, _actor_config(lr_schedule="cosine", lr_warmup_steps=1),
@@ -110,8 +141,9 @@ def _resume_body(rank, world_size, layout, hf_dir, root):
     step = worker.step
     metrics = worker.update(_train_batch(worker, 2))
     weights = _weights(worker)
+    fused = _fused_flags(worker)  # the load restored the saved param groups; the fused kernel is still on
     destroy()
-    return extra, step, metrics, weights
+    return extra, step, metrics, weights, fused
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +178,9 @@ def test_half_written_checkpoint_is_never_the_latest(llama, saved, tmp_path):
 def test_resume_gives_the_identical_next_step(llama, saved, layout_args):
     root, _, expected_metrics, expected_weights, _ = saved
     layout = ParallelLayout(**layout_args)
-    extra, step, metrics, weights = run_on_ranks(_resume_body, layout.world_size, timeout_s=TIMEOUT_S, args=(layout, str(llama), str(root)))[0]
+    extra, step, metrics, weights, fused = run_on_ranks(_resume_body, layout.world_size, timeout_s=TIMEOUT_S, args=(layout, str(llama), str(root)))[0]
     assert extra == {"sampler": {"epoch": 0, "position": 6}} and step == 1
+    assert fused and all(fused)
     assert metrics["actor/lr"] == pytest.approx(expected_metrics["actor/lr"])  # the schedule resumed too
     for name, tensor in weights.items():
         torch.testing.assert_close(tensor, expected_weights[name], atol=1e-5, rtol=0, msg=name)
