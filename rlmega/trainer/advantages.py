@@ -27,7 +27,7 @@ import torch
 
 from rlmega import algos
 from rlmega.config.schema import AlgorithmConfig
-from rlmega.workers.batching import padded_field
+from rlmega.workers.batching import padded_field, padding_mask
 
 # Estimator inputs taken from AlgorithmConfig (estimator parameter -> config field); the others
 # (epsilon, whiten) keep the estimator's default.
@@ -51,7 +51,7 @@ def compute_advantages(
     ``response_mask`` (per sequence ``[R_i]``, nonzero on the tokens that train) defaults to every token.
     ``turn_rewards`` (per sequence ``[R_i]``) are the parts of ``scores`` that belong at earlier tokens (0 elsewhere);
     where the mask drops such a token its reward joins the rest of the score at the last token."""
-    _, lengths_mask = padded_field([torch.ones(n) for n in response_lengths])
+    lengths_mask = padding_mask(response_lengths)
     mask = lengths_mask if response_mask is None else padded_field(response_mask)[0].ne(0) & lengths_mask
     metrics: dict[str, float] = {}
     at_turns = None if turn_rewards is None else torch.where(mask, padded_field(turn_rewards)[0], 0.0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
+import itertools
 from typing import Optional
 
 import torch
@@ -262,9 +263,7 @@ def build_micro_batch(
     lengths = [batch.lengths[i] for i in indices]
     responses = [length - prompt for length, prompt in zip(lengths, prompts)]
     if packing:
-        starts = [0]
-        for slot in slots[:-1]:
-            starts.append(starts[-1] + slot)
+        starts = [0, *itertools.accumulate(slots[:-1])]
     else:
         starts = [row * width for row in range(len(sequences))]
     offset = sum(slots) if packing else 0
@@ -278,9 +277,7 @@ def build_micro_batch(
             position_ids[0, :offset] = concatenated_ranges([0] * len(slots), slots)
         # The positions that predict the response tokens (from each prompt's last token on), and those tokens.
         positions = concatenated_ranges([start + prompt - 1 for start, prompt in zip(starts, prompts)], responses)
-        first = [0]
-        for length in lengths[:-1]:
-            first.append(first[-1] + length)
+        first = [0, *itertools.accumulate(lengths[:-1])]  # each sequence's start in the concatenation
         targets = concatenated[concatenated_ranges([at + prompt for at, prompt in zip(first, prompts)], responses)]
     images = {}
     if vision is not None:
