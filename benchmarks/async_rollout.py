@@ -13,7 +13,8 @@ interleaved. GRPO without a reference model; PPO clips against the engine's log-
 
   sync           rollout.mode=sync: generate, train, sync
   one_step_off   rollout.mode=one_step_off: step k+1 generates while step k trains
-  async          rollout.mode=async, rollout.max_staleness=1 (default), partial rollouts continued
+  async          rollout.mode=async, rollout.max_staleness=s for each s of --max-staleness (default 1),
+                 partial rollouts continued; shown as "async s=2" when more than one s is asked for
 
 Reported per mode: wall time of the RL steps (the sum of ``timing_s/step``) and its ratio to sync,
 response tokens trained per second, the trainer's idle fraction (waiting for rollouts) and the
@@ -21,7 +22,8 @@ engine's (no request in flight; for sync, the time it is not generating; for one
 outside its prefetches), the largest staleness
 trained on, and validation accuracy (256 validation prompts at temperature 1) after the last step.
 
-    python benchmarks/async_rollout.py [--steps 30] [--prompts 16] [--n 8] [--seeds 1,2] [--only sync,async] [--work-dir DIR]
+    python benchmarks/async_rollout.py [--steps 30] [--prompts 16] [--n 8] [--seeds 1,2] [--only sync,async]
+                                       [--max-staleness 1,2] [--work-dir DIR]
 """
 
 from __future__ import annotations
@@ -105,12 +107,16 @@ def warm_start(work: Path, assets: Path, args: argparse.Namespace) -> Path:
     return model
 
 
-def measure(mode: str, seed: int, work: Path, assets: Path, model: Path, args: argparse.Namespace) -> dict:
-    run_dir = work / f"{mode}-seed{seed}"
+def measure(mode: str, seed: int, work: Path, assets: Path, model: Path, args: argparse.Namespace,
+            staleness: int = 1, label: str = "") -> dict:
+    label = label or mode
+    name = label.replace(" ", "-").replace("=", "")
+    run_dir = work / f"{name}-seed{seed}"
     command = [sys.executable, "-m", "rlmega.cli.main", "train", f"run_dir={run_dir}", *common(assets, args),
                f"model.path={model}", f"rollout.mode={mode}", f"trainer.total_steps={args.steps}",
-               "trainer.sft_steps=0", f"trainer.val_every={args.steps}", "resume=never", f"trainer.seed={seed}"]
-    run(command, work / f"{mode}-seed{seed}.log", timeout_s=3600)
+               "trainer.sft_steps=0", f"trainer.val_every={args.steps}", "resume=never", f"trainer.seed={seed}",
+               f"rollout.max_staleness={staleness}"]
+    run(command, work / f"{name}-seed{seed}.log", timeout_s=3600)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "timing_s/step" in row]
     validation = [row for row in rows if "val/accuracy" in row]
@@ -119,7 +125,7 @@ def measure(mode: str, seed: int, work: Path, assets: Path, model: Path, args: a
     tokens = sum(row["batch/response_tokens"] for row in steps)
     gen = sum(row["timing_s/gen"] + row.get("timing_s/wait_rollout", 0.0) for row in steps)
     result = {
-        "mode": mode, "seed": seed, "steps": len(steps), "wall_s": wall, "response_tokens_per_s": tokens / wall,
+        "mode": label, "seed": seed, "steps": len(steps), "wall_s": wall, "response_tokens_per_s": tokens / wall,
         "trainer_idle": gen / wall,
         "val_accuracy": validation[-1]["val/accuracy"] if validation else float("nan"),
         "staleness_max": max(row["step"] - 1 - min(row["weight_versions"]) for row in trained),
@@ -142,6 +148,8 @@ def main() -> int:
     parser.add_argument("--only", default=",".join(MODES), help="comma-separated modes (default: all three)")
     parser.add_argument("--seeds", default="1,2", help="comma-separated trainer.seed values, each mode once per seed "
                         "(default 1,2); wall times and accuracies are averaged over them")
+    parser.add_argument("--max-staleness", default="1", help="comma-separated rollout.max_staleness values for "
+                        "the async mode, one async run per value and seed (default 1)")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep the runs here (default: a temporary dir)")
     args = parser.parse_args()
     modes = [m for m in args.only.split(",") if m]
@@ -154,15 +162,25 @@ def main() -> int:
     print(f"warm-start ({args.sft_steps} steps) ...", flush=True)
     model = warm_start(work, assets, args)
     seeds = [int(seed) for seed in args.seeds.split(",") if seed]
+    bounds = [int(value) for value in args.max_staleness.split(",") if value]
+    if not bounds or min(bounds) < 0:
+        parser.error(f"--max-staleness: expected comma-separated integers >= 0, got {args.max_staleness!r}")
+    runs = []  # (mode, max_staleness, label)
+    for mode in modes:
+        if mode != "async":
+            runs.append((mode, 1, mode))
+        else:
+            runs += [(mode, s, mode if len(bounds) == 1 else f"async s={s}") for s in bounds]
     results = []
     for seed in seeds:  # the modes interleaved, so a change in the machine's load touches all of them alike
-        for mode in modes:
-            print(f"{mode}, seed {seed}: {args.steps} steps ...", flush=True)
-            results.append(measure(mode, seed, work, assets, model, args))
-    summary = {mode: {key: sum(r[key] for r in results if r["mode"] == mode) / len(seeds)
-                      for key in ("wall_s", "response_tokens_per_s", "trainer_idle", "engine_idle", "val_accuracy")}
-               for mode in modes}
-    base = summary.get("sync", summary[modes[0]])
+        for mode, staleness, label in runs:
+            print(f"{label}, seed {seed}: {args.steps} steps ...", flush=True)
+            results.append(measure(mode, seed, work, assets, model, args, staleness, label))
+    labels = [label for _, _, label in runs]
+    summary = {label: {key: sum(r[key] for r in results if r["mode"] == label) / len(seeds)
+                       for key in ("wall_s", "response_tokens_per_s", "trainer_idle", "engine_idle", "val_accuracy")}
+               for label in labels}
+    base = summary.get("sync", summary[labels[0]])
     print(f"\n{'mode':<14}{'wall s':>9}{'speed-up':>10}{'tok/s':>9}{'trainer idle':>14}{'engine idle':>13}"
           f"{'max stale':>11}{'val acc':>9}  per seed")
     for mode, r in summary.items():

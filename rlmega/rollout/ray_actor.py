@@ -41,6 +41,11 @@ class RemoteEngine:
         self.actor = actor
         self.bucket_bytes = bucket_bytes
 
+    @property
+    def key(self) -> str:
+        """The actor's id: the same in every handle of it, in any process (``rlmega.sync.kept_transport``)."""
+        return self.actor._actor_id.hex()
+
     def generate(self, prompts: list[list[int]], params: SamplingParams | Sequence[SamplingParams],
                  images=None) -> list[Generation]:
         extra = {} if images is None else {"images": images}

@@ -4,7 +4,7 @@ See README.md in this folder.
 """
 
 from rlmega.sync.errors import StaleWeightsError, TransportError, WeightSyncError
-from rlmega.sync.transports import TRANSPORTS, Transport, make_transport, stream_update
+from rlmega.sync.transports import TRANSPORTS, Transport, kept_transport, make_transport, stream_update
 from rlmega.sync.weight_sync import SyncStats, post_sync_check, push_weights, require_version
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "Transport",
     "TransportError",
     "WeightSyncError",
+    "kept_transport",
     "make_transport",
     "post_sync_check",
     "push_weights",

@@ -4,8 +4,9 @@ GPU. Each bucket is broadcast as one flat tensor; its metadata goes first over t
 
 The group is built from an explicit store (the sender's control store, at an explicit host and a
 port the sender picks) with its own timeout, so it never touches the trainer's default group and
-works from any process, a Ray actor included. It is built when the first bucket is announced and
-dropped after the update.
+works from any process, a Ray actor included. It is built when the first bucket of the first update
+is announced and kept, with the store and the buffers on both sides, for the next updates into the
+same receivers; a failed update drops it on both sides, and the next one builds it again.
 
 The sender double-buffers: two flat slots, the broadcast of bucket n runs asynchronously while the
 caller builds bucket n+1, and a slot is reused only once its broadcast has completed.
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rlmega.sync.buckets import NamedTensors, layout, pack, unpack
-from rlmega.sync.control import Address, Channel, Watch, abort_stream, end_stream, receive_stream
+from rlmega.sync.control import Address, Channel, Kept, Watch, abort_stream, end_stream, forget_update, receive_kept
 from rlmega.sync.errors import TransportError
 from rlmega.sync.transports import DEFAULT_TIMEOUT_S, in_thread, start_update
 
@@ -68,23 +69,35 @@ class BroadcastTransport:
         self.host = host
         self.backend = backend
         self._channel: Optional[Channel] = None
+        self._address: Optional[Address] = None
         self._watch: Optional[Watch] = None
         self._num_receivers = 0
         self._group = None
         self._slots: list[Optional[torch.Tensor]] = [None, None]
         self._works: list = [None, None]
+        self._update = 0  # updates started; each one's control keys are under "{update}/"
         self._sent = 0
+        self._failed = False
+
+    @property
+    def _prefix(self) -> str:
+        return f"{self._update}/"
 
     def listen(self, num_receivers: int) -> list["BroadcastReceiver"]:
-        """Start the control channel; returns one receiver per engine process (group ranks 1..N),
-        each to be iterated in its engine's process (``engine.update_weights(receiver, version)``)."""
+        """Start an update (and the control channel, on the first or after a failure); returns one
+        receiver per engine process (group ranks 1..N), each to be iterated in its engine's process
+        (``engine.update_weights(receiver, version)``)."""
         if num_receivers < 1:
             raise ValueError(f"need at least one receiver, got {num_receivers}")
-        self._channel, address = Channel.serve(self.host, self.timeout_s)
-        self._num_receivers = num_receivers
-        self._watch = Watch([], self.timeout_s, self._channel)
-        self._group, self._works, self._sent = None, [None, None], 0
-        return [BroadcastReceiver(address, rank, num_receivers + 1, self.backend) for rank in range(1, num_receivers + 1)]
+        if self._channel is None or num_receivers != self._num_receivers:
+            self.release()
+            self._channel, self._address = Channel.serve(self.host, self.timeout_s)
+            self._num_receivers = num_receivers
+        self._update += 1
+        self._works, self._sent, self._failed = [None, None], 0, False
+        self._watch = Watch([], self.timeout_s, self._channel, self._prefix)
+        return [BroadcastReceiver(self._address, rank, num_receivers + 1, self.backend, self._update)
+                for rank in range(1, num_receivers + 1)]
 
     def open(self, engines: Sequence, version: int) -> None:
         receivers = self.listen(len(engines))
@@ -100,23 +113,32 @@ class BroadcastTransport:
             self._slots[slot] = torch.empty(max(nbytes, self.bucket_bytes), dtype=torch.uint8, device=_device(self.backend))
         flat = self._slots[slot][:nbytes]
         pack(bucket, metas, flat)
-        self._channel.post(f"bucket/{index}", ("bucket", nbytes, metas))
+        self._channel.post(f"{self._prefix}bucket/{index}", ("bucket", nbytes, metas))
         self._works[slot] = _broadcast_from_rank0(self._connect(), flat)  # receivers join on the first bucket
         self._sent += 1
 
     def finish(self) -> None:
         self._complete(self._sent % 2)
         self._complete((self._sent + 1) % 2)
-        end_stream(self._channel, self._watch, self._sent, range(1, self._num_receivers + 1))
+        ranks = range(1, self._num_receivers + 1)
+        end_stream(self._channel, self._watch, self._sent, ranks, self._prefix)
+        forget_update(self._channel, self._prefix, ranks, self._sent)
 
     def abort(self, reason: str) -> None:
-        abort_stream(self._channel, self._watch, self._sent, reason)
+        self._failed = True
+        abort_stream(self._channel, self._watch, self._sent, reason, self._prefix)
 
     def close(self) -> None:
+        """End of an update: a failed one releases the group, the buffers and the store; a complete one
+        keeps them for the next."""
+        if self._failed:
+            self.release()
+
+    def release(self) -> None:
         self._group = None
         self._works = [None, None]
         self._slots = [None, None]
-        self._channel = None
+        self._channel = self._address = None
 
     def _connect(self):
         if self._group is None:
@@ -141,8 +163,8 @@ class BroadcastTransport:
 class BroadcastReceiver:
     """The receiving side: iterate it in the engine's process to get the update's ``(hf_name, tensor)``.
 
-    Joins the group as ``rank``, receives each bucket into a buffer it reuses and yields views of it
-    (valid until the next one is requested). Ends cleanly only at the sender's end of stream; raises
+    Joins the group as ``rank`` (on the sender's first update; later ones reuse it), receives each
+    bucket into a buffer it reuses and yields views of it (valid until the next one is requested). Ends cleanly only at the sender's end of stream; raises
     ``TransportError`` if the sender aborts, and the group's own error if a peer goes away.
     """
 
@@ -150,23 +172,21 @@ class BroadcastReceiver:
     rank: int
     world_size: int
     backend: str
+    update: int = 1
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        group = buffer = None
-
-        def take_bucket(channel: Channel, index: int, payload: tuple):
-            nonlocal group, buffer
+        # The group and the buffer stay in this process for the sender's next update (``receive_kept``);
+        # a failure drops them, which leaves the group at once (a sender still broadcasting fails).
+        def take_bucket(kept: Kept, channel: Channel, index: int, payload: tuple):
             nbytes, metas = payload
-            if group is None:
-                group = _group(channel.store, self.rank, self.world_size, self.backend, self.address.timeout_s)
-            if buffer is None or buffer.numel() < nbytes:
-                buffer = None
-                buffer = torch.empty(nbytes, dtype=torch.uint8, device=_device(self.backend))
-            flat = buffer[:nbytes]
-            _broadcast_from_rank0(group, flat).wait()
+            state = kept.state
+            if "group" not in state:
+                state["group"] = _group(channel.store, self.rank, self.world_size, self.backend, self.address.timeout_s)
+            if state.get("buffer") is None or state["buffer"].numel() < nbytes:
+                state["buffer"] = None
+                state["buffer"] = torch.empty(nbytes, dtype=torch.uint8, device=_device(self.backend))
+            flat = state["buffer"][:nbytes]
+            _broadcast_from_rank0(state["group"], flat).wait()
             yield from unpack(flat, metas)
 
-        try:
-            yield from receive_stream(self.address, self.rank, take_bucket)
-        finally:
-            group = buffer = None  # leave the group now: a sender still broadcasting to us fails at once
+        return receive_kept(self.address, self.rank, self.update, take_bucket)

@@ -8,7 +8,9 @@ that reaches the port cannot inject objects.
 
 Keys: ``bucket/{i}`` (sender -> receivers: a bucket, the end of the stream, or an abort),
 ``ack/{rank}/{i}`` (a receiver has copied bucket i), ``done/{rank}`` (a receiver reached the end
-and handed it to its engine), ``fail`` (a receiver failed: which one, and why).
+and handed it to its engine), ``fail`` (a receiver failed: which one, and why). A channel that
+serves update after update (the ``shared_memory`` transport keeps its own) puts each update's keys
+under a prefix of their own (``"{update}/"``), so nothing of one update is read in another.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import hmac
 import pickle
 import secrets
 import time
+from collections import OrderedDict
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -98,10 +101,12 @@ class Watch:
     failing if the engine raised or died) and the receivers' failure reports. Every wait is polled
     against both and bounded by ``timeout_s``, so a dead peer turns into an error, never a hang."""
 
-    def __init__(self, futures: Sequence[Future], timeout_s: float, channel: Optional[Channel] = None):
+    def __init__(self, futures: Sequence[Future], timeout_s: float, channel: Optional[Channel] = None,
+                 prefix: str = ""):
         self.futures = list(futures)
         self.timeout_s = timeout_s
         self._channel = channel
+        self._prefix = prefix  # of the update's keys
 
     def check(self, finishing: bool = False) -> None:
         for index, future in enumerate(self.futures):
@@ -113,7 +118,7 @@ class Watch:
             if not finishing:
                 raise TransportError(f"engine {index} finished its update before the sender sent the end of the stream")
         if self._channel is not None:
-            reason = self._channel.peek("fail")
+            reason = self._channel.peek(f"{self._prefix}fail")
             if reason is not None:
                 # The engine's own error, if its call fails too, says more than the receiver's report.
                 wait(self.futures, timeout=_ENGINE_ERROR_GRACE_S, return_when=FIRST_EXCEPTION)
@@ -143,54 +148,56 @@ class Watch:
         self.check(finishing=True)
 
 
-def end_stream(channel: Channel, watch: Watch, index: int, ranks: Sequence[int]) -> None:
+def end_stream(channel: Channel, watch: Watch, index: int, ranks: Sequence[int], prefix: str = "") -> None:
     """Sender: announce the end as ``bucket/{index}``, then wait until every receiver in ``ranks``
     has reached it and every engine has committed the update."""
-    channel.post(f"bucket/{index}", ("end",))
-    done = [f"done/{rank}" for rank in ranks]
+    channel.post(f"{prefix}bucket/{index}", ("end",))
+    done = [f"{prefix}done/{rank}" for rank in ranks]
     watch.until(lambda: channel.has(done), "the receivers to reach the end of the stream", finishing=True)
     watch.finish()
 
 
-def abort_stream(channel: Optional[Channel], watch: Watch, index: int, reason: str) -> None:
+def abort_stream(channel: Optional[Channel], watch: Watch, index: int, reason: str, prefix: str = "") -> None:
     """Sender, best effort: tell the receivers the update is off, and let the engines' calls end."""
     if channel is None:
         return
     try:
-        channel.post(f"bucket/{index}", ("abort", reason))
+        channel.post(f"{prefix}bucket/{index}", ("abort", reason))
     except Exception:  # the store may be unusable; receivers then fail on their own
         pass
     watch.settle()
 
 
-def report_failure(channel: Optional[Channel], rank: int, error: BaseException) -> None:
+def report_failure(channel: Optional[Channel], rank: int, error: BaseException, prefix: str = "") -> None:
     """Best effort: tell the sender why this receiver stopped."""
     if channel is None:
         return
     try:
-        channel.post("fail", f"receiver {rank}: {type(error).__name__}: {error}")
+        channel.post(f"{prefix}fail", f"receiver {rank}: {type(error).__name__}: {error}")
     except Exception:  # the sender may be gone already; the original error is what matters
         pass
 
 
-def receive_stream(address: Address, rank: int, take_bucket: Callable[[Channel, int, tuple], Iterator]) -> Iterator:
-    """Receiver ``rank``'s side of one update: reads ``bucket/{i}`` messages in order and lets
-    ``take_bucket(channel, i, payload)`` yield each bucket's ``(hf_name, tensor)`` pairs.
+def receive_stream(address: Address, rank: int, take_bucket: Callable[[Channel, int, tuple], Iterator],
+                   prefix: str = "", channel: Optional[Channel] = None) -> Iterator:
+    """Receiver ``rank``'s side of one update: reads ``{prefix}bucket/{i}`` messages in order and lets
+    ``take_bucket(channel, i, payload)`` yield each bucket's ``(hf_name, tensor)`` pairs. ``channel``:
+    a connection to ``address`` kept from an earlier update (else one is made).
 
     Ends cleanly only at the sender's end of stream (then posts ``done/{rank}``); raises
     ``TransportError`` if the sender aborts. Any failure, including the engine dropping the stream
     before its end, is reported to the sender before it propagates.
     """
-    channel = None
     finished = False
     try:
-        channel = Channel.connect(address)
+        if channel is None:
+            channel = Channel.connect(address)
         index = 0
         while True:
-            message = channel.get(f"bucket/{index}")
+            message = channel.get(f"{prefix}bucket/{index}")
             if message[0] == "end":
                 finished = True
-                channel.post(f"done/{rank}", None)
+                channel.post(f"{prefix}done/{rank}", None)
                 return
             if message[0] == "abort":
                 raise TransportError(f"the sender aborted the update: {message[1]}")
@@ -198,8 +205,49 @@ def receive_stream(address: Address, rank: int, take_bucket: Callable[[Channel, 
             index += 1
     except GeneratorExit:
         if not finished:
-            report_failure(channel, rank, TransportError("the engine stopped consuming the stream before its end"))
+            report_failure(channel, rank, TransportError("the engine stopped consuming the stream before its end"),
+                           prefix)
         raise
     except BaseException as error:
-        report_failure(channel, rank, error)
+        report_failure(channel, rank, error, prefix)
+        raise
+
+
+def forget_update(channel: Channel, prefix: str, ranks: Sequence[int], num_buckets: int, first: int = 0) -> None:
+    """Sender, after a finished update on a kept store: delete every key it left (buckets from ``first``
+    on, the end, their acknowledgements, done), so the store holds nothing between updates."""
+    channel.forget(*[f"{prefix}bucket/{i}" for i in range(first, num_buckets + 1)],
+                   *[f"{prefix}ack/{r}/{i}" for r in ranks for i in range(first, num_buckets)],
+                   *[f"{prefix}done/{r}" for r in ranks])
+
+
+@dataclasses.dataclass
+class Kept:
+    """What a receiver keeps in the engine's process from one update of a sender to the next: its
+    connection, and its transport's own state (a mapped region; a process group and its buffer)."""
+
+    channel: Channel
+    state: dict = dataclasses.field(default_factory=dict)
+
+
+_KEPT: "OrderedDict[tuple, Kept]" = OrderedDict()  # (host, port, rank) -> the receiver's kept state
+_MAX_KEPT = 8  # senders a process keeps state for (one per training job that feeds it, in practice)
+
+
+def receive_kept(address: Address, rank: int, update: int,
+                 take_bucket: Callable[[Kept, Channel, int, tuple], Iterator]) -> Iterator:
+    """``receive_stream`` of update number ``update`` of a sender that keeps its store between updates,
+    over the connection this process kept from the sender's last update (made on the first).
+    ``take_bucket(kept, channel, index, payload)`` may keep state in ``kept.state``. A failed update
+    drops what was kept: the next one connects afresh."""
+    key = (address.host, address.port, rank)
+    try:
+        kept = _KEPT.pop(key, None) or Kept(Channel.connect(address))
+        _KEPT[key] = kept
+        while len(_KEPT) > _MAX_KEPT:
+            _KEPT.popitem(last=False)
+        yield from receive_stream(address, rank, lambda channel, index, payload: take_bucket(kept, channel, index, payload),
+                                  f"{update}/", kept.channel)
+    except BaseException:
+        _KEPT.pop(key, None)
         raise

@@ -9,7 +9,9 @@ CUDA tensors; it needs the engine in another process on the same GPU node.
 The region has two slots, so the sender packs bucket n+1 while the engine copies bucket n; a bucket
 larger than a slot (one large tensor) replaces the region with a larger one once the receivers are
 done with the old. The region's name is unlinked as soon as every receiver has mapped it (and
-again, if need be, on close): after that, nothing is left in /dev/shm even if a process is killed.
+again, if need be, on release): after that, nothing is left in /dev/shm even if a process is killed.
+The control store, the region and the receivers' connections and mappings stay from one update to
+the next, so a sync after the first creates nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from rlmega.sync.buckets import ALIGN_BYTES, NamedTensors, layout, pack, unpack
-from rlmega.sync.control import Address, Channel, Watch, abort_stream, end_stream, receive_stream
+from rlmega.sync.control import Address, Channel, Kept, Watch, abort_stream, end_stream, forget_update, receive_kept
 from rlmega.sync.transports import DEFAULT_TIMEOUT_S, start_update
 
 SHM_PREFIX = "rlmega-sync-"
@@ -123,6 +125,10 @@ class SharedMemoryTransport:
 
     ``bucket_bytes`` sizes the two slots (a larger bucket grows them); ``timeout_s`` bounds every
     wait for a receiver; ``host`` is where the control store listens (receivers are on this host).
+
+    One transport serves update after update into the same receivers: its control store and its
+    region stay (and the receivers keep their connection and mapping, ``control.receive_kept``), so an
+    update after the first sets nothing up. A failed update releases both; the next one starts afresh.
     """
 
     name = "shared_memory"
@@ -134,23 +140,35 @@ class SharedMemoryTransport:
         self.host = host
         self.directory = directory
         self._channel: Optional[Channel] = None
+        self._address: Optional[Address] = None
         self._watch: Optional[Watch] = None
         self._num_receivers = 0
         self._region: Optional[_Region] = None
         self._generation = 0  # grows over the transport's life, so a receiver never confuses two regions
-        self._sent = 0
-        self._acked = -1  # every bucket up to this one has been copied by every receiver
+        self._update = 0  # updates started; each one's control keys are under "{update}/"
+        self._base = 0  # buckets sent in earlier updates (a region's first bucket counts over the whole life)
+        self._sent = 0  # in this update
+        self._acked = -1  # every bucket of this update up to this one has been copied by every receiver
+        self._failed = False
+
+    @property
+    def _prefix(self) -> str:
+        return f"{self._update}/"
 
     def listen(self, num_receivers: int) -> list["SharedMemoryReceiver"]:
-        """Start the control channel; returns one receiver per engine, to be iterated in the engine's
-        process (``engine.update_weights(receiver, version)``)."""
+        """Start an update (and the control channel, on the first or after a failure); returns one
+        receiver per engine, to be iterated in the engine's process (``engine.update_weights(receiver, version)``)."""
         if num_receivers < 1:
             raise ValueError(f"need at least one receiver, got {num_receivers}")
-        self._channel, address = Channel.serve(self.host, self.timeout_s)
-        self._num_receivers = num_receivers
-        self._watch = Watch([], self.timeout_s, self._channel)
-        self._region, self._sent, self._acked = None, 0, -1
-        return [SharedMemoryReceiver(address, rank) for rank in range(num_receivers)]
+        if self._channel is None or num_receivers != self._num_receivers:
+            self.release()
+            self._channel, self._address = Channel.serve(self.host, self.timeout_s)
+            self._num_receivers = num_receivers
+        self._update += 1
+        self._base += self._sent
+        self._sent, self._acked, self._failed = 0, -1, False
+        self._watch = Watch([], self.timeout_s, self._channel, self._prefix)
+        return [SharedMemoryReceiver(self._address, rank, self._update) for rank in range(num_receivers)]
 
     def open(self, engines: Sequence, version: int) -> None:
         receivers = self.listen(len(engines))
@@ -168,34 +186,47 @@ class SharedMemoryTransport:
                 region.unlink()
             self._generation += 1
             slot_bytes = -(-max(nbytes, self.bucket_bytes) // ALIGN_BYTES) * ALIGN_BYTES
-            region = self._region = _Region(self._generation, slot_bytes, device, self.directory, index)
+            region = self._region = _Region(self._generation, slot_bytes, device, self.directory, self._base + index)
         offset = (index % 2) * region.slot_bytes
         pack(bucket, metas, region.tensor[offset : offset + nbytes])
         if region.device.type == "cuda":
             torch.cuda.current_stream(region.device).synchronize()  # the receiver reads on its own stream
-        self._channel.post(f"bucket/{index}", ("bucket", region.handle, offset, metas))
+        self._channel.post(f"{self._prefix}bucket/{index}", ("bucket", region.handle, offset, metas))
         self._sent += 1
 
     def finish(self) -> None:
-        end_stream(self._channel, self._watch, self._sent, range(self._num_receivers))
+        ranks = range(self._num_receivers)
+        end_stream(self._channel, self._watch, self._sent, ranks, self._prefix)
+        forget_update(self._channel, self._prefix, ranks, self._sent, first=self._acked + 1)
+        self._acked = self._sent - 1
+        if self._region is not None:
+            self._region.unlink()  # every receiver has mapped it
 
     def abort(self, reason: str) -> None:
-        abort_stream(self._channel, self._watch, self._sent, reason)
+        self._failed = True
+        abort_stream(self._channel, self._watch, self._sent, reason, self._prefix)
 
     def close(self) -> None:
+        """End of an update: a failed one releases the store and the region (a receiver may still hold
+        them half-read); a complete one keeps them for the next."""
+        if self._failed:
+            self.release()
+
+    def release(self) -> None:
+        """Drop the region (its /dev/shm name, if still there) and the control store."""
         if self._region is not None:
             self._region.unlink()
             self._region = None
-        self._channel = None
+        self._channel = self._address = None
 
     def _wait_acked(self, index: int) -> None:
         if index <= self._acked:
             return
-        acks = [f"ack/{rank}/{index}" for rank in range(self._num_receivers)]
+        acks = [f"{self._prefix}ack/{rank}/{index}" for rank in range(self._num_receivers)]
         self._watch.until(lambda: self._channel.has(acks), f"the receivers to copy bucket {index}")
-        self._channel.forget(*acks, f"bucket/{index}")
+        self._channel.forget(*acks, f"{self._prefix}bucket/{index}")
         self._acked = index
-        if self._region is not None and index >= self._region.first_index:
+        if self._region is not None and self._base + index >= self._region.first_index:
             self._region.unlink()  # every receiver has it mapped
 
 
@@ -206,23 +237,24 @@ class SharedMemoryReceiver:
     Tensors are views of the shared region, valid until the next one is requested (the engine copies
     each in). The iteration ends cleanly only at the sender's end of stream; it raises
     ``TransportError`` if the sender aborts or goes away, and reports its own failures to the sender.
+    The connection and the region's mapping stay in this process for the sender's next update, except
+    after a failure.
     """
 
     address: Address
     rank: int
+    update: int = 1
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        region, generation = None, None
-
-        def take_bucket(channel: Channel, index: int, payload: tuple):
-            nonlocal region, generation
+        def take_bucket(kept: Kept, channel: Channel, index: int, payload: tuple):
             handle, offset, metas = payload
-            if handle.generation != generation:
-                region = None  # unmap the old region before mapping the new one
-                region, generation = handle.open(), handle.generation
+            if handle.generation != kept.state.get("generation"):
+                kept.state.clear()  # unmap the old region before mapping the new one
+                kept.state.update(region=handle.open(), generation=handle.generation)
+            region = kept.state["region"]
             yield from unpack(region[offset:], metas)
             if region.is_cuda:
                 torch.cuda.synchronize(region.device)  # copies out of the slot are done before it is reused
-            channel.post(f"ack/{self.rank}/{index}", None)
+            channel.post(f"{self.update}/ack/{self.rank}/{index}", None)
 
-        return receive_stream(self.address, self.rank, take_bucket)
+        return receive_kept(self.address, self.rank, self.update, take_bucket)

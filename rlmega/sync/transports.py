@@ -23,6 +23,9 @@ The transports (``TRANSPORTS``):
 The receiving side of ``shared_memory`` and ``broadcast`` is a small picklable iterable: it is sent
 into the engine's process and handed to the engine's ``update_weights`` there, which consumes it
 like any other stream and commits the version only when it ends cleanly.
+
+A transport object serves any number of updates; ``kept_transport`` keeps one per set of engines in
+this process, so that ``shared_memory`` sets up its store and region once, not at every sync.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import threading
 import time
 import traceback
+from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Callable, Iterable, Optional, Protocol, Sequence
 
@@ -53,7 +57,9 @@ class Transport(Protocol):
 
     def abort(self, reason: str) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """The end of an update (always called); what the transport keeps for the next is its own
+        choice, except after a failed update, which leaves nothing behind."""
 
 
 def stream_update(transport: Transport, engines: Sequence, buckets: Iterable[NamedTensors], version: int) -> None:
@@ -227,3 +233,21 @@ def make_transport(transport: "str | Transport", engines: Sequence, *, bucket_by
     if transport not in TRANSPORTS:
         raise ValueError(f"unknown weight-sync transport {transport!r}; choose one of {sorted(TRANSPORTS)} or 'auto'")
     return TRANSPORTS[transport](bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+
+
+_KEPT: "OrderedDict[tuple, Transport]" = OrderedDict()
+_MAX_KEPT = 8
+
+
+def kept_transport(transport: str, engines: Sequence, *, bucket_bytes: int,
+                   timeout_s: float = DEFAULT_TIMEOUT_S) -> Transport:
+    """``make_transport(transport, engines, ...)``, made once per set of engines (and settings) in this
+    process and reused for every later update into them. Engines are told apart by their ``key`` (an
+    engine actor's id; a ``RemoteEngine`` handle is made anew for every call), else by identity."""
+    key = (transport, bucket_bytes, timeout_s, tuple(getattr(engine, "key", None) or id(engine) for engine in engines))
+    kept = _KEPT.pop(key, None) or make_transport(transport, engines, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+    _KEPT[key] = kept
+    while len(_KEPT) > _MAX_KEPT:
+        _, dropped = _KEPT.popitem(last=False)
+        getattr(dropped, "release", lambda: None)()
+    return kept

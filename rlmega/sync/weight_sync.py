@@ -25,7 +25,7 @@ from rlmega.models.spec import ModelSpec
 from rlmega.rollout.protocol import RolloutEngine, SamplingParams
 from rlmega.sync.buckets import NamedTensors, nbytes_of
 from rlmega.sync.errors import StaleWeightsError, WeightSyncError
-from rlmega.sync.transports import DEFAULT_TIMEOUT_S, Transport, make_transport, stream_update
+from rlmega.sync.transports import DEFAULT_TIMEOUT_S, Transport, kept_transport, stream_update
 from rlmega.workers.forward import sequence_logprobs
 
 
@@ -59,13 +59,16 @@ def _counted(buckets: Iterable[NamedTensors], totals: dict) -> Iterator[NamedTen
 def push_weights(
     chunks: list, spec: ModelSpec, engine: Union[RolloutEngine, Sequence[RolloutEngine], None], version: int, *,
     engine_rank: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, transport: Union[str, Transport] = "auto",
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float = DEFAULT_TIMEOUT_S, check_version: bool = True,
 ) -> SyncStats:
     """Stream this model's HF weights into ``engine`` as ``version``. Collective; ``engine`` is the
     engine (or a list of engines) on ``engine_rank`` and None elsewhere (only that rank receives the
     tensors). ``transport`` is a name from ``rlmega.sync.TRANSPORTS``, ``"auto"`` (in-process for an
     engine object here, shared memory for engine actors on this host, Ray's object store for the
-    others) or a configured ``Transport``; ``timeout_s`` bounds every wait on an engine.
+    others) or a configured ``Transport``; a transport given by name is made once per set of engines
+    in this process and kept for the next syncs (``kept_transport``). ``timeout_s`` bounds every wait on
+    an engine. ``check_version``: ask every engine which version it serves afterwards (one more call
+    each; a caller that asks all engines itself right after can leave it to that).
 
     If the transport fails, this rank still runs the export to its end (the other ranks are in its
     collectives), then raises ``TransportError``; the engine then refuses to generate until a later
@@ -79,15 +82,17 @@ def push_weights(
             pass
         return SyncStats(version=version, seconds=time.perf_counter() - started, **totals)
     engines = list(engine) if isinstance(engine, (list, tuple)) else [engine]
-    chosen = make_transport(transport, engines, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+    chosen = transport if not isinstance(transport, str) else kept_transport(
+        transport, engines, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
     try:
         stream_update(chosen, engines, buckets, version)
     except WeightSyncError:
         for _ in buckets:  # leave no rank waiting in the export's collectives
             pass
         raise
-    for each in engines:
-        require_version(each, version)
+    if check_version:
+        for each in engines:
+            require_version(each, version)
     return SyncStats(version=version, seconds=time.perf_counter() - started, transport=chosen.name, **totals)
 
 

@@ -139,7 +139,8 @@ class RankProcess:
 
         stats = push_weights(self.workers["actor"].chunks, self.spec, engines if self.rank == 0 else None, version,
                              engine_rank=0, bucket_bytes=sync.bucket_bytes, transport=sync.transport,
-                             timeout_s=sync.timeout_s)
+                             timeout_s=sync.timeout_s,
+                             check_version=False)  # the trainer asks every engine right after (Trainer.sync)
         return self._rank0(stats)
 
     def post_sync_check(self, engines: list, prompts: list[list[int]], version: int) -> Optional[float]:

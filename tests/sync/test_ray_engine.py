@@ -61,3 +61,32 @@ def test_an_engine_actor_dying_mid_stream_fails_the_sender_quickly(remote, targe
     with pytest.raises(TransportError, match="engine 0 failed while receiving weights|broadcast to the engines failed"):
         stream_update(transport, [remote], _killing_the_actor_after(buckets_of(target_dir), 2, remote.actor), 1)
     assert time.monotonic() - started < CALL_TIMEOUT_S / 2  # noticed, not waited out
+
+
+def _kept_in(engine: RemoteEngine) -> list:
+    def read(actor):
+        from rlmega.sync import control
+
+        return [(key, id(kept.channel), kept.state.get("generation")) for key, kept in control._KEPT.items()]
+
+    return ray.get(engine.actor.__ray_call__.remote(read), timeout=CALL_TIMEOUT_S)
+
+
+@pytest.mark.timeout(180)
+def test_push_by_name_keeps_one_transport_and_one_engine_connection(remote, start_dir, target_dir):
+    """Syncs after the first into an engine actor set nothing up: the same transport (found by the actor's
+    id from a new handle), and inside the actor the same connection and mapping."""
+    from rlmega.sync import kept_transport
+
+    again = RemoteEngine(remote.actor, bucket_bytes=BUCKET_BYTES)  # as a rank gets for every sync
+    assert again.key == remote.key
+    transports, kept = [], []
+    for version, (engine, directory) in enumerate([(remote, target_dir), (again, start_dir), (remote, target_dir)], 1):
+        transport = kept_transport("auto", [engine], bucket_bytes=BUCKET_BYTES, timeout_s=CALL_TIMEOUT_S)
+        stream_update(transport, [engine], buckets_of(directory), version)
+        require_version(engine, version)
+        assert_serves(_state_dict_in(engine), directory)
+        transports.append(transport)
+        kept.append(_kept_in(engine))
+    assert transports[0].name == "shared_memory" and transports[0] is transports[1] is transports[2]
+    assert len(kept[0]) == 1 and kept[0] == kept[1] == kept[2]

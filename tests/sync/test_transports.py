@@ -145,3 +145,92 @@ def test_one_update_feeds_several_engines(start_dir, target_dir, name):
     for engine in engines:
         require_version(engine, 1)
         assert_serves(engine.inner.model.state_dict(), target_dir)
+
+
+def _shm_files() -> set[str]:
+    import os
+
+    from rlmega.sync.shared_memory import SHM_PREFIX
+
+    return {name for name in os.listdir("/dev/shm") if name.startswith(SHM_PREFIX)}
+
+
+def test_shared_memory_sets_up_once_and_keeps_nothing_of_a_finished_update(start_dir, target_dir):
+    """The second and third updates reuse the store, the region and the receiver's connection and
+    mapping; the store holds no key between updates; /dev/shm holds nothing of it."""
+    from rlmega.sync import control
+
+    engine = RecordingEngine(start_dir)
+    transport = _transport("shared_memory", engine)
+    before = _shm_files()
+    seen = []
+    for version, directory in enumerate([target_dir, start_dir, target_dir], start=1):
+        stream_update(transport, [engine], buckets_of(directory), version)
+        assert_serves(engine.inner.model.state_dict(), directory)
+        address = transport._address
+        kept = control._KEPT[(address.host, address.port, 0)]
+        seen.append((transport._channel, transport._region.handle.generation, kept.channel, kept.state["generation"]))
+        assert transport._channel.store.num_keys() == 0
+        assert _shm_files() == before
+    assert seen[0][0] is seen[1][0] is seen[2][0] and seen[0][2] is seen[1][2] is seen[2][2]
+    # The region grew once in the first update (a tensor larger than a slot), then stayed.
+    assert seen[0][1] == seen[1][1] == seen[2][1] and seen[0][3] == seen[0][1]
+
+
+def test_a_failed_update_releases_the_kept_transport_and_the_next_starts_afresh(start_dir, target_dir):
+    from rlmega.sync import control
+
+    engine = RecordingEngine(start_dir)
+    transport = _transport("shared_memory", engine)
+    stream_update(transport, [engine], buckets_of(target_dir), 1)
+    first = transport._address
+    with pytest.raises(RuntimeError, match="export broke"):
+        stream_update(transport, [engine], failing_after(buckets_of(start_dir), 2, RuntimeError("export broke")), 2)
+    assert transport._channel is None and transport._region is None
+    assert (first.host, first.port, 0) not in control._KEPT  # the receiver dropped its side too
+    stream_update(transport, [engine], buckets_of(start_dir), 2)
+    assert transport._address.port != first.port
+    assert engine.weight_version() == 2
+    assert_serves(engine.inner.model.state_dict(), start_dir)
+
+
+def test_kept_transport_is_one_per_set_of_engines():
+    from rlmega.sync import kept_transport
+
+    class Handle:  # a RemoteEngine made anew for every call: told apart by its actor's key
+        def __init__(self, key):
+            self.key = key
+
+        def start_update(self, named_tensors, version):
+            raise AssertionError("not started in this test")
+
+        def is_local(self):
+            return True
+
+    one = kept_transport("auto", [Handle("a")], bucket_bytes=BUCKET_BYTES)
+    assert one.name == "shared_memory"
+    assert kept_transport("auto", [Handle("a")], bucket_bytes=BUCKET_BYTES) is one
+    assert kept_transport("auto", [Handle("b")], bucket_bytes=BUCKET_BYTES) is not one
+    assert kept_transport("auto", [Handle("a"), Handle("b")], bucket_bytes=BUCKET_BYTES) is not one
+    assert kept_transport("shared_memory", [Handle("a")], bucket_bytes=BUCKET_BYTES) is not one
+
+
+def test_broadcast_builds_its_group_once_and_rebuilds_it_after_a_failure(start_dir, target_dir):
+    from rlmega.sync import control
+
+    engine = RecordingEngine(start_dir)
+    transport = _transport("broadcast", engine)
+    groups = []
+    for version, directory in enumerate([target_dir, start_dir], start=1):
+        stream_update(transport, [engine], buckets_of(directory), version)
+        assert_serves(engine.inner.model.state_dict(), directory)
+        address = transport._address
+        groups.append((transport._group, control._KEPT[(address.host, address.port, 1)].state["group"]))
+    assert groups[0][0] is groups[1][0] and groups[0][1] is groups[1][1]
+    with pytest.raises(RuntimeError, match="export broke"):
+        stream_update(transport, [engine], failing_after(buckets_of(target_dir), 2, RuntimeError("export broke")), 3)
+    assert transport._group is None and (address.host, address.port, 1) not in control._KEPT
+    stream_update(transport, [engine], buckets_of(target_dir), 3)
+    assert transport._group is not None and transport._group is not groups[0][0]
+    assert engine.weight_version() == 3
+    assert_serves(engine.inner.model.state_dict(), target_dir)
