@@ -1,7 +1,7 @@
 """Fully asynchronous rollout (``rollout.mode=async``): the engines never wait for the trainer.
 
 A producer thread on the controller keeps every engine busy with the prompt stream, one request at a
-time per engine, and collects whole groups (all n responses of a prompt, scored) into a buffer; the
+time per engine (of one step's prompts, the oldest waiting), and collects whole groups (all n responses of a prompt, scored) into a buffer; the
 trainer takes ``prompts_per_step`` groups as soon as the buffer has them. Around a weight sync the
 producer is paused: in-flight requests are interrupted (``pause_generation``), the partial responses
 are kept, and after the sync they are continued with the new weights (``rollout.partial_rollout``),
@@ -254,16 +254,23 @@ class AsyncRollouts:
         return self._drawn.pop(0)
 
     def _dispatch(self) -> None:
-        """The pending responses to the idle engines, shared evenly (the lock is held)."""
+        """The pending responses of the oldest step's prompts to the idle engines, shared evenly (the lock
+        is held). One step's at a time: a request returns when its slowest response is done, so responses of
+        later steps in the same request would hold up the batch the trainer waits for (after a sync, the
+        interrupted tails of the next batch would wait for the whole batch after it)."""
         busy = {engine for engine, _, _ in self._in_flight.values()}
         idle = [engine for engine in range(self.engines.num_engines) if engine not in busy]
         if not idle or not self._pending:
             return
-        share = -(-len(self._pending) // len(idle))
-        for engine in idle:
-            work, self._pending = self._pending[:share], self._pending[share:]
-            if not work:
+        self._pending.sort(key=lambda item: item[0].draw)  # stable: a group's responses stay in order
+        for position, engine in enumerate(idle):
+            if not self._pending:
                 break
+            step = self._pending[0][0].draw // self.per_step
+            oldest = next((i for i, (group, _) in enumerate(self._pending) if group.draw // self.per_step != step),
+                          len(self._pending))
+            share = -(-oldest // (len(idle) - position))
+            work, self._pending = self._pending[:share], self._pending[share:]
             prompts, params, images = [], [], []
             for group, sample in work:
                 response = group.responses[sample]

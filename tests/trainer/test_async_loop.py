@@ -199,3 +199,28 @@ def test_one_step_off_equals_a_synchronous_run_with_rollouts_delayed_by_one_step
         for x, y in zip(actor_a.updates[step - 1].fields["advantages"], actor_b.updates[step - 1].fields["advantages"]):
             assert torch.equal(x, y)
     assert math.isfinite(float(a.scores.mean()))
+
+
+def test_each_engine_request_holds_one_steps_prompts_oldest_first(tmp_path, assets, monkeypatch):
+    """With work of several steps waiting (a staleness bound of 2, syncs that interrupt), every request
+    carries the responses of one step's prompts only, the oldest waiting: the batch the trainer waits for
+    never waits for a later batch's slowest response."""
+    requests, mixed_waiting = [], []
+    dispatch = AsyncRollouts._dispatch
+
+    def recorded(self):
+        waiting = {group.draw // self.per_step for group, _ in self._pending}
+        before = set(self._in_flight)
+        dispatch(self)
+        for future in set(self._in_flight) - before:
+            steps = {group.draw // self.per_step for group, _ in self._in_flight[future][1]}
+            requests.append(steps)
+            mixed_waiting.append(len(waiting) > 1)
+            assert min(steps) == min(waiting), (steps, waiting)
+
+    monkeypatch.setattr(AsyncRollouts, "_dispatch", recorded)
+    trainer, actor, engines, _ = _async_trainer(tmp_path, assets, "rollout.max_staleness=2", actor=MidGenerationActor)
+    assert trainer.fit() == 0 and len(actor.updates) == 6
+    assert engines.aborted  # syncs interrupted requests, so continuations waited beside new prompts
+    assert any(mixed_waiting), "no dispatch found work of two steps waiting; the test checks nothing"
+    assert all(len(steps) == 1 for steps in requests), requests
