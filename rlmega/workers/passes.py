@@ -9,6 +9,7 @@ interleaved with virtual stages) runs the layers; this module only feeds it and 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Callable, Optional
 
 import torch
@@ -134,9 +135,7 @@ def scatter_outputs(
     Each sequence is computed by exactly one data-parallel replica; its reporting rank writes it
     into a flat buffer and a sum over all ranks assembles the batch. Collective.
     """
-    offsets = [0]
-    for length in response_lengths:
-        offsets.append(offsets[-1] + length)
+    offsets = list(itertools.accumulate(response_lengths, initial=0))
     flat = torch.zeros(offsets[-1], dtype=torch.float32)
     if reporting_rank():
         for result, micro_batch in zip(results, micro_batches):
