@@ -37,14 +37,12 @@ class RemoteEngine:
     """``RolloutEngine`` over an engine actor: each call blocks until the actor answers, and the
     actor's exceptions re-raise here (wrapped by Ray, with the original as their cause)."""
 
-    def __init__(self, actor: ActorHandle, *, bucket_bytes: int = 256 * 1024**2):
+    def __init__(self, actor: ActorHandle, *, bucket_bytes: int = 256 * 1024**2, key: str | None = None):
         self.actor = actor
         self.bucket_bytes = bucket_bytes
-
-    @property
-    def key(self) -> str:
-        """The actor's id: the same in every handle of it, in any process (``rlmega.sync.kept_transport``)."""
-        return self.actor._actor_id.hex()
+        self.key = key
+        """The actor's id (``ray.get_runtime_context().get_actor_id()`` inside it), the same in every copy of
+        this handle: a weight sync keeps one transport per engine by it (``rlmega.sync.kept_transport``)."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | Sequence[SamplingParams],
                  images=None) -> list[Generation]:

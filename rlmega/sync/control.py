@@ -22,7 +22,6 @@ import hmac
 import pickle
 import secrets
 import time
-from collections import OrderedDict
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -226,12 +225,15 @@ class Kept:
     """What a receiver keeps in the engine's process from one update of a sender to the next: its
     connection, and its transport's own state (a mapped region; a process group and its buffer)."""
 
+    address: Address
     channel: Channel
     state: dict = dataclasses.field(default_factory=dict)
 
 
-_KEPT: "OrderedDict[tuple, Kept]" = OrderedDict()  # (host, port, rank) -> the receiver's kept state
-_MAX_KEPT = 8  # senders a process keeps state for (one per training job that feeds it, in practice)
+# Receiver rank -> what it keeps of its sender. One sender per rank and process: a receiver of another
+# sender replaces it (its sender made a new transport), so a process never holds more than one region
+# or group per rank.
+_KEPT: dict[int, Kept] = {}
 
 
 def receive_kept(address: Address, rank: int, update: int,
@@ -240,14 +242,14 @@ def receive_kept(address: Address, rank: int, update: int,
     over the connection this process kept from the sender's last update (made on the first).
     ``take_bucket(kept, channel, index, payload)`` may keep state in ``kept.state``. A failed update
     drops what was kept: the next one connects afresh."""
-    key = (address.host, address.port, rank)
     try:
-        kept = _KEPT.pop(key, None) or Kept(Channel.connect(address))
-        _KEPT[key] = kept
-        while len(_KEPT) > _MAX_KEPT:
-            _KEPT.popitem(last=False)
+        kept = _KEPT.get(rank)
+        if kept is None or kept.address != address:
+            _KEPT.pop(rank, None)  # let go of the old sender's region or group before taking the new one's
+            kept = _KEPT[rank] = Kept(address, Channel.connect(address))
         yield from receive_stream(address, rank, lambda channel, index, payload: take_bucket(kept, channel, index, payload),
                                   f"{update}/", kept.channel)
     except BaseException:
-        _KEPT.pop(key, None)
+        if _KEPT.get(rank) is not None and _KEPT[rank].address == address:
+            del _KEPT[rank]
         raise

@@ -243,8 +243,12 @@ def kept_transport(transport: str, engines: Sequence, *, bucket_bytes: int,
                    timeout_s: float = DEFAULT_TIMEOUT_S) -> Transport:
     """``make_transport(transport, engines, ...)``, made once per set of engines (and settings) in this
     process and reused for every later update into them. Engines are told apart by their ``key`` (an
-    engine actor's id; a ``RemoteEngine`` handle is made anew for every call), else by identity."""
-    key = (transport, bucket_bytes, timeout_s, tuple(getattr(engine, "key", None) or id(engine) for engine in engines))
+    engine actor's id: a rank gets new ``RemoteEngine`` handles with every call); with an engine that has
+    none, a new transport is made for each update (and nothing of it is kept)."""
+    keys = tuple(getattr(engine, "key", None) for engine in engines)
+    if not keys or None in keys:
+        return make_transport(transport, engines, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+    key = (transport, bucket_bytes, timeout_s, keys)
     kept = _KEPT.pop(key, None) or make_transport(transport, engines, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
     _KEPT[key] = kept
     while len(_KEPT) > _MAX_KEPT:

@@ -66,6 +66,8 @@ class RolloutGroup:
         located = wait_all(self._located, self.names, max(self.timeout_s, 300.0), "starting engines")
         self.nodes = [{"engine": index, "node_id": node, "ip": ip} for index, (node, ip, _) in enumerate(located)]
         name_actors([actor_id for _, _, actor_id in located], self.names)  # the ranks call them too
+        for engine, (_, _, actor_id) in zip(self.engines, located):
+            engine.key = actor_id  # the ranks' weight syncs keep one transport per engine by it
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, images=None) -> list[Generation]:
         """Responses of all prompts, prompt-major; prompts are split into contiguous shares per engine.

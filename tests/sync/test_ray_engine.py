@@ -78,8 +78,10 @@ def test_push_by_name_keeps_one_transport_and_one_engine_connection(remote, star
     id from a new handle), and inside the actor the same connection and mapping."""
     from rlmega.sync import kept_transport
 
-    again = RemoteEngine(remote.actor, bucket_bytes=BUCKET_BYTES)  # as a rank gets for every sync
-    assert again.key == remote.key
+    actor_id = ray.get(remote.actor.__ray_call__.remote(lambda actor: ray.get_runtime_context().get_actor_id()),
+                       timeout=CALL_TIMEOUT_S)
+    remote = RemoteEngine(remote.actor, bucket_bytes=BUCKET_BYTES, key=actor_id)  # as RolloutGroup names them
+    again = RemoteEngine(remote.actor, bucket_bytes=BUCKET_BYTES, key=actor_id)  # a rank's copy at the next sync
     transports, kept = [], []
     for version, (engine, directory) in enumerate([(remote, target_dir), (again, start_dir), (remote, target_dir)], 1):
         transport = kept_transport("auto", [engine], bucket_bytes=BUCKET_BYTES, timeout_s=CALL_TIMEOUT_S)

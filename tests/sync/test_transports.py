@@ -168,7 +168,8 @@ def test_shared_memory_sets_up_once_and_keeps_nothing_of_a_finished_update(start
         stream_update(transport, [engine], buckets_of(directory), version)
         assert_serves(engine.inner.model.state_dict(), directory)
         address = transport._address
-        kept = control._KEPT[(address.host, address.port, 0)]
+        kept = control._KEPT[0]
+        assert kept.address == address
         seen.append((transport._channel, transport._region.handle.generation, kept.channel, kept.state["generation"]))
         assert transport._channel.store.num_keys() == 0
         assert _shm_files() == before
@@ -187,10 +188,24 @@ def test_a_failed_update_releases_the_kept_transport_and_the_next_starts_afresh(
     with pytest.raises(RuntimeError, match="export broke"):
         stream_update(transport, [engine], failing_after(buckets_of(start_dir), 2, RuntimeError("export broke")), 2)
     assert transport._channel is None and transport._region is None
-    assert (first.host, first.port, 0) not in control._KEPT  # the receiver dropped its side too
+    assert 0 not in control._KEPT  # the receiver dropped its side too
     stream_update(transport, [engine], buckets_of(start_dir), 2)
     assert transport._address.port != first.port
     assert engine.weight_version() == 2
+    assert_serves(engine.inner.model.state_dict(), start_dir)
+
+
+def test_a_receiver_of_a_new_sender_lets_go_of_the_old_ones_region(start_dir, target_dir):
+    """One sender per receiver rank and process: an engine fed by a new transport (its sender made a new
+    one) keeps only the new one's connection and mapping."""
+    from rlmega.sync import control
+
+    engine = RecordingEngine(start_dir)
+    old, new = _transport("shared_memory", engine), _transport("shared_memory", engine)
+    stream_update(old, [engine], buckets_of(target_dir), 1)
+    old_region = control._KEPT[0].state["region"]
+    stream_update(new, [engine], buckets_of(start_dir), 2)
+    assert control._KEPT[0].address == new._address and control._KEPT[0].state["region"] is not old_region
     assert_serves(engine.inner.model.state_dict(), start_dir)
 
 
@@ -208,6 +223,9 @@ def test_kept_transport_is_one_per_set_of_engines():
             return True
 
     one = kept_transport("auto", [Handle("a")], bucket_bytes=BUCKET_BYTES)
+    keyless = Handle(None)  # a handle not named by RolloutGroup: nothing is kept for it
+    assert kept_transport("auto", [keyless], bucket_bytes=BUCKET_BYTES) is not kept_transport(
+        "auto", [keyless], bucket_bytes=BUCKET_BYTES)
     assert one.name == "shared_memory"
     assert kept_transport("auto", [Handle("a")], bucket_bytes=BUCKET_BYTES) is one
     assert kept_transport("auto", [Handle("b")], bucket_bytes=BUCKET_BYTES) is not one
@@ -225,11 +243,11 @@ def test_broadcast_builds_its_group_once_and_rebuilds_it_after_a_failure(start_d
         stream_update(transport, [engine], buckets_of(directory), version)
         assert_serves(engine.inner.model.state_dict(), directory)
         address = transport._address
-        groups.append((transport._group, control._KEPT[(address.host, address.port, 1)].state["group"]))
+        groups.append((transport._group, control._KEPT[1].state["group"]))
     assert groups[0][0] is groups[1][0] and groups[0][1] is groups[1][1]
     with pytest.raises(RuntimeError, match="export broke"):
         stream_update(transport, [engine], failing_after(buckets_of(target_dir), 2, RuntimeError("export broke")), 3)
-    assert transport._group is None and (address.host, address.port, 1) not in control._KEPT
+    assert transport._group is None and 1 not in control._KEPT
     stream_update(transport, [engine], buckets_of(target_dir), 3)
     assert transport._group is not None and transport._group is not groups[0][0]
     assert engine.weight_version() == 3
