@@ -242,7 +242,7 @@ def test_broadcast_builds_its_group_once_and_rebuilds_it_after_a_failure(start_d
     for version, directory in enumerate([target_dir, start_dir], start=1):
         stream_update(transport, [engine], buckets_of(directory), version)
         assert_serves(engine.inner.model.state_dict(), directory)
-        address = transport._address
+        assert control._KEPT[1].address == transport._address
         groups.append((transport._group, control._KEPT[1].state["group"]))
     assert groups[0][0] is groups[1][0] and groups[0][1] is groups[1][1]
     with pytest.raises(RuntimeError, match="export broke"):
