@@ -164,8 +164,9 @@ class BroadcastReceiver:
     """The receiving side: iterate it in the engine's process to get the update's ``(hf_name, tensor)``.
 
     Joins the group as ``rank`` (on the sender's first update; later ones reuse it), receives each
-    bucket into a buffer it reuses and yields views of it (valid until the next one is requested). Ends cleanly only at the sender's end of stream; raises
-    ``TransportError`` if the sender aborts, and the group's own error if a peer goes away.
+    bucket into a buffer it reuses and yields views of it (valid until the next one is requested).
+    Ends cleanly only at the sender's end of stream; raises ``TransportError`` if the sender aborts,
+    and the group's own error if a peer goes away.
     """
 
     address: Address

@@ -9,7 +9,7 @@ that reaches the port cannot inject objects.
 Keys: ``bucket/{i}`` (sender -> receivers: a bucket, the end of the stream, or an abort),
 ``ack/{rank}/{i}`` (a receiver has copied bucket i), ``done/{rank}`` (a receiver reached the end
 and handed it to its engine), ``fail`` (a receiver failed: which one, and why). A channel that
-serves update after update (the ``shared_memory`` transport keeps its own) puts each update's keys
+serves update after update (``shared_memory`` and ``broadcast`` keep theirs) puts each update's keys
 under a prefix of their own (``"{update}/"``), so nothing of one update is read in another.
 """
 
@@ -147,8 +147,8 @@ class Watch:
         self.check(finishing=True)
 
 
-def end_stream(channel: Channel, watch: Watch, index: int, ranks: Sequence[int], prefix: str = "") -> None:
-    """Sender: announce the end as ``bucket/{index}``, then wait until every receiver in ``ranks``
+def end_stream(channel: Channel, watch: Watch, index: int, ranks: Sequence[int], prefix: str) -> None:
+    """Sender: announce the end as ``{prefix}bucket/{index}``, then wait until every receiver in ``ranks``
     has reached it and every engine has committed the update."""
     channel.post(f"{prefix}bucket/{index}", ("end",))
     done = [f"{prefix}done/{rank}" for rank in ranks]
@@ -156,7 +156,7 @@ def end_stream(channel: Channel, watch: Watch, index: int, ranks: Sequence[int],
     watch.finish()
 
 
-def abort_stream(channel: Optional[Channel], watch: Watch, index: int, reason: str, prefix: str = "") -> None:
+def abort_stream(channel: Optional[Channel], watch: Watch, index: int, reason: str, prefix: str) -> None:
     """Sender, best effort: tell the receivers the update is off, and let the engines' calls end."""
     if channel is None:
         return
@@ -167,21 +167,19 @@ def abort_stream(channel: Optional[Channel], watch: Watch, index: int, reason: s
     watch.settle()
 
 
-def report_failure(channel: Optional[Channel], rank: int, error: BaseException, prefix: str = "") -> None:
+def report_failure(channel: Channel, rank: int, error: BaseException, prefix: str) -> None:
     """Best effort: tell the sender why this receiver stopped."""
-    if channel is None:
-        return
     try:
         channel.post(f"{prefix}fail", f"receiver {rank}: {type(error).__name__}: {error}")
     except Exception:  # the sender may be gone already; the original error is what matters
         pass
 
 
-def receive_stream(address: Address, rank: int, take_bucket: Callable[[Channel, int, tuple], Iterator],
-                   prefix: str = "", channel: Optional[Channel] = None) -> Iterator:
-    """Receiver ``rank``'s side of one update: reads ``{prefix}bucket/{i}`` messages in order and lets
-    ``take_bucket(channel, i, payload)`` yield each bucket's ``(hf_name, tensor)`` pairs. ``channel``:
-    a connection to ``address`` kept from an earlier update (else one is made).
+def receive_stream(channel: Channel, rank: int, take_bucket: Callable[[Channel, int, tuple], Iterator],
+                   prefix: str) -> Iterator:
+    """Receiver ``rank``'s side of one update over its connection to the sender's store: reads
+    ``{prefix}bucket/{i}`` messages in order and lets ``take_bucket(channel, i, payload)`` yield each
+    bucket's ``(hf_name, tensor)`` pairs.
 
     Ends cleanly only at the sender's end of stream (then posts ``done/{rank}``); raises
     ``TransportError`` if the sender aborts. Any failure, including the engine dropping the stream
@@ -189,8 +187,6 @@ def receive_stream(address: Address, rank: int, take_bucket: Callable[[Channel, 
     """
     finished = False
     try:
-        if channel is None:
-            channel = Channel.connect(address)
         index = 0
         while True:
             message = channel.get(f"{prefix}bucket/{index}")
@@ -247,8 +243,8 @@ def receive_kept(address: Address, rank: int, update: int,
         if kept is None or kept.address != address:
             _KEPT.pop(rank, None)  # let go of the old sender's region or group before taking the new one's
             kept = _KEPT[rank] = Kept(address, Channel.connect(address))
-        yield from receive_stream(address, rank, lambda channel, index, payload: take_bucket(kept, channel, index, payload),
-                                  f"{update}/", kept.channel)
+        yield from receive_stream(kept.channel, rank,
+                                  lambda channel, index, payload: take_bucket(kept, channel, index, payload), f"{update}/")
     except BaseException:
         if _KEPT.get(rank) is not None and _KEPT[rank].address == address:
             del _KEPT[rank]
