@@ -25,7 +25,7 @@ into the engine's process and handed to the engine's ``update_weights`` there, w
 like any other stream and commits the version only when it ends cleanly.
 
 A transport object serves any number of updates; ``kept_transport`` keeps one per set of engines in
-this process, so that ``shared_memory`` sets up its store and region once, not at every sync.
+this process, so that ``shared_memory`` and ``broadcast`` set up their store, region or group once, not at every sync.
 """
 
 from __future__ import annotations
