@@ -10,6 +10,7 @@ every rank), packed in buckets of at most ``bucket_bytes`` (a tensor larger than
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
@@ -71,6 +72,18 @@ def _gather(param, group, tp_rank: int, tp: int) -> torch.Tensor:
         if target is not block:
             block.copy_(target)
     return full
+
+
+# The units of a model's export never change (names, shapes, dtypes): announced once per model, by its first
+# chunk. Every rank exports the same models in the same order, so all of them skip the collective together.
+_ANNOUNCED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[ModelSpec, list[_Unit]]]" = weakref.WeakKeyDictionary()
+
+
+def _announced(chunks: list, exported: dict, spec: ModelSpec) -> list[_Unit]:
+    known = _ANNOUNCED.get(chunks[0])
+    if known is None or known[0] != spec:
+        known = _ANNOUNCED[chunks[0]] = (spec, _announce(exported, spec))
+    return known[1]
 
 
 def _announce(exported: dict, spec: ModelSpec) -> list[_Unit]:
@@ -185,7 +198,7 @@ def export_hf_buckets(
     geometry = geometry_of(spec)
     exported = _exported_params(chunks, spec)
     device = _payload_device()
-    for bucket in bucketed(_announce(exported, spec), lambda unit: unit.nbytes, bucket_bytes):
+    for bucket in bucketed(_announced(chunks, exported, spec), lambda unit: unit.nbytes, bucket_bytes):
         for owner in sorted({unit.owner for unit in bucket}):
             units = [unit for unit in bucket if unit.owner == owner]
             payload = _fill(units, exported, geometry)

@@ -280,8 +280,15 @@ def paused_generations(per_prompt: list[SamplingParams], version: int) -> list[G
                        weight_version=version) for i, _ in sample_requests(per_prompt)]
 
 
+def runs_model(method):
+    """Mark an engine method that runs the model or touches the weights: a threaded host runs all of them on
+    one thread (``rlmega.rollout.ray_actor.engine_actor_class``)."""
+    method.runs_model = True
+    return method
+
+
 def serialised(method):
-    """Run an engine method holding ``self._lock`` (a ``threading.RLock``).
+    """Run an engine method holding ``self._lock`` (a ``threading.RLock``); marked ``runs_model``.
 
     A threaded Ray actor calls the engine from several threads, so that ``pause_generation`` reaches a
     running ``generate``. Everything that runs the model or touches the weights (generate, the update
@@ -292,7 +299,7 @@ def serialised(method):
     def locked(self, *args, **kwargs):
         with self._lock:
             return method(self, *args, **kwargs)
-    return locked
+    return runs_model(locked)
 
 
 # ---------------------------------------------------------------------------------------------- weights
@@ -517,6 +524,7 @@ class EngineAdapter(ABC):
 
     # ------------------------------------------------------------------ generation
 
+    @runs_model
     def generate(self, prompts: list[list[int]], params: SamplingParams | Sequence[SamplingParams],
                  images: Sequence[ImageInputs | None] | None = None) -> list[Generation]:
         """See ``RolloutEngine.generate``. One engine request per response (see ``sample_requests``).

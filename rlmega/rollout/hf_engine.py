@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, DynamicCache, PreTrainedModel
 
-from rlmega.rollout.engine_common import WeightBook, check_requests, paused_generations, serialised
+from rlmega.rollout.engine_common import WeightBook, check_requests, paused_generations, runs_model, serialised
 from rlmega.rollout.hf_routing import RoutingRecorder, routing_or_none
 from rlmega.rollout.hf_weights import HFWeightMap, WeightTarget
 from rlmega.models.vision_language import VISION_LANGUAGE_MODEL_TYPES, mrope_positions, vision_spec_from_hf
@@ -88,6 +88,7 @@ class HFEngine:
 
     # ------------------------------------------------------------------ generation
 
+    @runs_model
     def generate(self, prompts: list[list[int]], params: SamplingParams | Sequence[SamplingParams],
                  images: Sequence[ImageInputs | None] | None = None) -> list[Generation]:
         """See ``RolloutEngine.generate``. All responses are decoded together, one token per step; a pause

@@ -32,6 +32,7 @@ from rlmega.sync.errors import TransportError
 _DIGEST_BYTES = 32
 POLL_MIN_S = 0.0002
 POLL_MAX_S = 0.005
+BLOCK_S = 0.05  # a blocking wait returns at once when its keys or futures are ready; peers are checked this often
 _ENGINE_ERROR_GRACE_S = 2.0
 _SETTLE_S = 10.0
 
@@ -88,6 +89,13 @@ class Channel:
     def has(self, names: Sequence[str]) -> bool:
         return self.store.check(list(names))
 
+    def wait_for(self, names: Sequence[str], seconds: float) -> None:
+        """Return once every message in ``names`` is there, or after ``seconds`` (whichever is first)."""
+        try:
+            self.store.wait(list(names), datetime.timedelta(seconds=seconds))
+        except dist.DistStoreError:  # not there yet: the caller checks its peers and waits again
+            pass
+
     def _open(self, name: str, signed: bytes) -> Any:
         digest, data = signed[:_DIGEST_BYTES], signed[_DIGEST_BYTES:]
         if not hmac.compare_digest(digest, hmac.new(self._key, data, hashlib.sha256).digest()):
@@ -125,16 +133,22 @@ class Watch:
                     self.check(finishing=True)
                 raise TransportError(f"a receiver failed: {reason}")
 
-    def until(self, ready: Callable[[], bool], what: str, finishing: bool = False) -> None:
-        """Return once ``ready()``; raise TransportError if a peer fails or ``timeout_s`` passes."""
+    def until(self, ready: Callable[[], bool], what: str, finishing: bool = False,
+              block: Optional[Callable[[float], object]] = None) -> None:
+        """Return once ``ready()``; raise TransportError if a peer fails or ``timeout_s`` passes.
+        ``block(seconds)``: a wait on what ``ready`` reads that returns as soon as it is ready (so the
+        sender wakes at once, not at the next poll); without it, polls with growing sleeps."""
         deadline = time.monotonic() + self.timeout_s
         pause = POLL_MIN_S
         while not ready():
             self.check(finishing)
             if time.monotonic() > deadline:
                 raise TransportError(f"timed out after {self.timeout_s:g} s waiting for {what}")
-            time.sleep(pause)
-            pause = min(2 * pause, POLL_MAX_S)
+            if block is not None:
+                block(min(BLOCK_S, max(0.0, deadline - time.monotonic())))
+            else:
+                time.sleep(pause)
+                pause = min(2 * pause, POLL_MAX_S)
 
     def settle(self) -> None:
         """After an abort: give the engines' update calls a moment to end, so an engine in this
@@ -143,7 +157,8 @@ class Watch:
 
     def finish(self) -> None:
         """Wait for every engine's update call to return (the version is committed then)."""
-        self.until(lambda: all(f.done() for f in self.futures), "the engines to commit the update", finishing=True)
+        self.until(lambda: all(f.done() for f in self.futures), "the engines to commit the update", finishing=True,
+                   block=lambda seconds: wait(self.futures, timeout=seconds))
         self.check(finishing=True)
 
 
@@ -152,7 +167,8 @@ def end_stream(channel: Channel, watch: Watch, index: int, ranks: Sequence[int],
     has reached it and every engine has committed the update."""
     channel.post(f"{prefix}bucket/{index}", ("end",))
     done = [f"{prefix}done/{rank}" for rank in ranks]
-    watch.until(lambda: channel.has(done), "the receivers to reach the end of the stream", finishing=True)
+    watch.until(lambda: channel.has(done), "the receivers to reach the end of the stream", finishing=True,
+                block=lambda seconds: channel.wait_for(done, seconds))
     watch.finish()
 
 

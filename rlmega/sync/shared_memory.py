@@ -223,7 +223,8 @@ class SharedMemoryTransport:
         if index <= self._acked:
             return
         acks = [f"{self._prefix}ack/{rank}/{index}" for rank in range(self._num_receivers)]
-        self._watch.until(lambda: self._channel.has(acks), f"the receivers to copy bucket {index}")
+        self._watch.until(lambda: self._channel.has(acks), f"the receivers to copy bucket {index}",
+                          block=lambda seconds: self._channel.wait_for(acks, seconds))
         self._channel.forget(*acks, f"{self._prefix}bucket/{index}")
         self._acked = index
         if self._region is not None and self._base + index >= self._region.first_index:

@@ -35,7 +35,7 @@ class RolloutGroup:
         ``wait_started``, e.g. after starting the training ranks, so that both start at once)."""
         import ray
 
-        from rlmega.rollout.ray_actor import ENGINE_ACTOR_CONCURRENCY, RemoteEngine
+        from rlmega.rollout.ray_actor import RemoteEngine, engine_actor_class
         from rlmega.trainer.worker_logs import actor_env, logged
 
         self.config = config
@@ -46,9 +46,8 @@ class RolloutGroup:
         threads = str(max(1, int(config.rollout.cpus_per_engine)))
         self.names = [f"{name} {index}" for index in range(config.rollout.num_engines)]
         self.actors = [
-            ray.remote(logged(engine_class)).options(
+            engine_actor_class(logged(engine_class)).options(  # threaded: a pause reaches a running generate
                 num_cpus=config.rollout.cpus_per_engine, num_gpus=config.rollout.gpus_per_engine,
-                max_concurrency=ENGINE_ACTOR_CONCURRENCY,  # threaded: a pause reaches a running generate
                 scheduling_strategy=scheduling(index),
                 runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, **actor_env(config.run_dir, name)}},
             ).remote(config.model.path, **arguments)

@@ -16,6 +16,7 @@ from rlmega.algos import (
     LossDenominators, clipped_value_loss, entropy_bonus, get_policy_loss, kl_loss,
 )
 from rlmega.algos._utils import masked_mean
+from rlmega.models.spec import padded_vocab_size
 from rlmega.workers.batching import MicroBatch, SequenceBatch, padded_field, padding_mask, split_padded
 from rlmega.workers.config import CriticLossConfig, PolicyLossConfig
 from rlmega.workers.context_parallel import gather_response_values
@@ -25,7 +26,7 @@ from rlmega.workers.passes import Head, HeadResult
 
 def _response_rows(micro_batch: MicroBatch, output: torch.Tensor) -> torch.Tensor:
     """``[N, V_local]`` (or ``[N, 1]``): the output rows at the response-predicting positions."""
-    flat = output.reshape(-1, output.shape[-1])
+    flat = output.flatten(0, -2)  # [B * S, V_local]; V_local may be 0 (a slice of padding only: lm_head)
     return flat.index_select(0, micro_batch.response_positions.to(flat.device))
 
 
@@ -37,9 +38,10 @@ def _logprobs(micro_batch: MicroBatch, output: torch.Tensor, vocab_size: int, ch
     rows = _response_rows(micro_batch, output)
     if logit_scale != 1.0:
         rows = rows / logit_scale
-    logp, entropy = vocab_parallel_logprobs(
+    tp = ps.get_tensor_model_parallel_world_size()
+    logp, entropy = vocab_parallel_logprobs(  # the output may hold this rank's real columns only (lm_head)
         rows, micro_batch.response_targets.to(rows.device), vocab_size=vocab_size,
-        vocab_start=ps.get_tensor_model_parallel_rank() * rows.shape[-1],
+        vocab_start=ps.get_tensor_model_parallel_rank() * (padded_vocab_size(vocab_size, tp) // tp),
         group=ps.get_tensor_model_parallel_group(), chunk_tokens=chunk_tokens, with_entropy=True,
     )
     return gather_response_values(logp, micro_batch), gather_response_values(entropy, micro_batch)

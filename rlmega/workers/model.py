@@ -11,6 +11,7 @@ import torch
 from rlmega.models.reward_head import ScoreHead
 from rlmega.models.spec import ModelSpec, build_chunks, has_transformer_engine
 from rlmega.parallel.layout import ParallelLayout
+from rlmega.workers import lm_head
 from rlmega.workers.config import OptimizerConfig, WorkerConfig
 
 
@@ -86,6 +87,9 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, config: WorkerConfig) -
         for model in models:
             if model.post_process:
                 model.output_layer = value_head(transformer_config)
+    for model in models:
+        if model.post_process:
+            lm_head.install(model, spec.vocab_size)  # logits of the response rows and real tokens only
     if dtype != torch.float32:
         models = [Float16Module(transformer_config, model) for model in models]
     if not config.trains:

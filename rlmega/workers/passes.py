@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from rlmega.workers.batching import MicroBatch, concatenated_ranges
+from rlmega.workers.lm_head import response_logits_layer, set_rows
 
 # (micro_batch, last-stage output [B, S, V_local or 1]) -> HeadResult
 Head = Callable[[MicroBatch, torch.Tensor], "HeadResult"]
@@ -47,6 +48,12 @@ def run_schedule(chunks: list, micro_batches: list[MicroBatch], head: Head, *, f
         mask = micro_batch.attention_mask
         if routing is not None:
             routing.before(model, micro_batch)
+        lm_head = response_logits_layer(model)
+        if lm_head is not None:  # the output holds the response rows only, in order
+            set_rows(lm_head, micro_batch.response_positions)
+            head_batch = dataclasses.replace(micro_batch, response_positions=torch.arange(len(micro_batch.response_positions)))
+        else:
+            head_batch = micro_batch
         output = model(
             micro_batch.tokens.to(device), micro_batch.position_ids.to(device),
             None if mask is None else mask.to(device), packed_seq_params=_on(micro_batch.packed_seq_params, device),
@@ -56,7 +63,7 @@ def run_schedule(chunks: list, micro_batches: list[MicroBatch], head: Head, *, f
             routing.after(model, micro_batch)
 
         def loss_func(output_tensor):
-            result = head(micro_batch, output_tensor)
+            result = head(head_batch, output_tensor)
             # Megatron scales the returned loss in place; the result keeps its own reference.
             return result.loss.clone(), {"result": result}
 
