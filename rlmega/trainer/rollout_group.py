@@ -33,8 +33,6 @@ class RolloutGroup:
                  wait: bool = True):
         """Start the engine actors; ``wait``: and return once every engine has started (else call
         ``wait_started``, e.g. after starting the training ranks, so that both start at once)."""
-        import ray
-
         from rlmega.rollout.ray_actor import RemoteEngine, engine_actor_class
         from rlmega.trainer.worker_logs import actor_env, logged
 
