@@ -101,6 +101,11 @@ def reporting_rank() -> bool:
             and ps.get_context_parallel_rank() == 0)
 
 
+def _several_ranks() -> bool:
+    """Whether the default group has other ranks to agree with (a collective of one is only a cost)."""
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
 def combine_metrics(results: list[Optional[HeadResult]], micro_batches: list[MicroBatch]) -> dict[str, float]:
     """The heads' metrics over every micro-batch of every data-parallel rank, the same on all ranks:
     token-weighted means of ``metrics``, totals of ``summed``. Collective over the default group."""
@@ -117,7 +122,7 @@ def combine_metrics(results: list[Optional[HeadResult]], micro_batches: list[Mic
             for slot, name in enumerate(totals, start=len(means)):
                 if name in result.summed:
                     sums[slot] += float(result.summed[name])
-    if dist.is_initialized():
+    if _several_ranks():
         dist.all_reduce(sums)
     total_weight = max(float(sums[-1]), 1.0)
     combined = {name: float(sums[slot]) / total_weight for slot, name in enumerate(means)}
@@ -128,7 +133,7 @@ def combine_metrics(results: list[Optional[HeadResult]], micro_batches: list[Mic
 def _agree_on_names(means: set[str], totals: set[str]) -> tuple[list[str], list[str]]:
     """Every rank's names of mean and summed metrics (only the last stage knows them), sorted; one all-gather."""
     gathered: list = [(means, totals)]
-    if dist.is_initialized():
+    if _several_ranks():
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (means, totals))
     return sorted(set().union(*(part[0] for part in gathered))), sorted(set().union(*(part[1] for part in gathered)))
@@ -148,6 +153,6 @@ def scatter_outputs(
         for result, micro_batch in zip(results, micro_batches):
             slots = concatenated_ranges([offsets[index] for index in micro_batch.indices], micro_batch.response_lengths)
             flat[slots] = result.outputs[name].detach().float().cpu()
-    if dist.is_initialized():
+    if _several_ranks():
         dist.all_reduce(flat)
     return [part.clone() for part in flat.split(response_lengths)]  # each its own storage, sent on its own
