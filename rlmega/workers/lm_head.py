@@ -28,6 +28,7 @@ import torch
 def _response_logits_class():
     from megatron.core.tensor_parallel import (
         ColumnParallelLinear, copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+        linear_with_grad_accumulation_and_async_allreduce,
     )
 
     class ResponseLogits(ColumnParallelLinear):
@@ -55,8 +56,14 @@ def _response_logits_class():
             # rows index the output as [B, S] (Megatron returns it batch-first); the hidden states are [S, B, H].
             rows = rows.to(hidden.device)
             selected = hidden.reshape(length * width, size).index_select(0, (rows % length) * width + rows // length)
-            logits = torch.matmul(selected, weight[: self.real_columns].t())
-            return logits.unsqueeze(1), None
+            # Megatron's fused weight-gradient kernel (GPU) accumulates into the parameter's main_grad, so it gets
+            # the whole parameter and the padding columns are dropped after; otherwise they are never computed.
+            fused = self.gradient_accumulation_fusion
+            logits = linear_with_grad_accumulation_and_async_allreduce(
+                selected.unsqueeze(1), weight if fused else weight[: self.real_columns], None,
+                gradient_accumulation_fusion=fused, allreduce_dgrad=False, sequence_parallel=False,
+                tp_group=self.tp_group)  # the input's TP communication is done above
+            return (logits[..., : self.real_columns] if fused else logits), None
 
     return ResponseLogits
 
@@ -64,12 +71,13 @@ def _response_logits_class():
 def install(model, vocab_size: int) -> bool:
     """Let ``model``'s output layer (a Megatron GPTModel chunk on the last stage) compute response rows only;
     whether it can: not for models with MTP layers (their output layer serves those too), a biased or
-    gathering output layer, or a replaced one (the critic's and the reward model's score heads)."""
+    gathering output layer, deferred embedding weight gradients (Megatron keeps the layer's inputs for
+    them), or a replaced one (the critic's and the reward model's score heads)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
     layer = getattr(model, "output_layer", None)
     if (type(layer) is not ColumnParallelLinear or layer.bias is not None or layer.gather_output
-            or getattr(model.config, "mtp_num_layers", None)):
+            or getattr(model.config, "mtp_num_layers", None) or layer.config.defer_embedding_wgrad_compute):
         return False
     rank = layer.tp_group.rank() if layer.tp_group is not None else 0
     width = layer.output_size_per_partition

@@ -54,6 +54,7 @@ MINIMAL_CHECKS=(
     "worker-logprobs-vs-transformers|tests/gpu/test_worker_gpu.py::test_worker_logprobs_match_hf_on_gpu"
     "worker-bf16-update-vs-fp32-cpu|tests/gpu/test_minimal_tier.py::test_bf16_update_on_gpu_follows_the_fp32_cpu_update"
     "worker-packed-equals-padded|tests/gpu/test_worker_gpu.py::test_packed_update_equals_padded_on_gpu"
+    "worker-response-row-logits|tests/gpu/test_worker_gpu.py::test_response_row_logits_update_equals_the_full_output_layer_on_gpu"
     "worker-offload-onload-bit-exact|tests/gpu/test_minimal_tier.py::test_offload_onload_is_bit_exact_on_gpu"
     "distributed-optimizer-nccl-ws1|tests/gpu/test_minimal_tier.py::test_distributed_optimizer_over_nccl_equals_the_plain_one"
     "bridge-export-cuda-bf16|tests/gpu/test_minimal_tier.py::test_bridge_exports_cuda_bf16_tensors"
@@ -71,7 +72,8 @@ engine_checks() {  # the checks of one extra's environment
             "$1-sleep-sync-wake-memory|tests/gpu/test_engine_cluster.py::test_sleep_sync_wake_returns_memory_to_baseline[$1]" ;;
         gpu) echo \
             "te-thd-partition|tests/gpu/test_context_parallel_te.py" \
-            "te-worker-packed-equals-padded|tests/gpu/test_worker_gpu.py::test_packed_update_equals_padded_on_gpu" ;;
+            "te-worker-packed-equals-padded|tests/gpu/test_worker_gpu.py::test_packed_update_equals_padded_on_gpu" \
+            "te-worker-response-row-logits|tests/gpu/test_worker_gpu.py::test_response_row_logits_update_equals_the_full_output_layer_on_gpu" ;;
         *) echo "unknown extra '$1' (choose from vllm sglang gpu)" >&2; return 2 ;;
     esac
 }

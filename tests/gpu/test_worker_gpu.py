@@ -4,7 +4,8 @@ CPU twins are tests/workers/test_worker_logprobs.py and test_worker_update.py.
 
 Checks: fp32 log-probs equal HF's to 1e-3 (TF32 off); bf16 ones stay within a mean
 absolute difference of 0.03 nats (bf16 rounding; a wrong weight mapping is off by whole nats);
-one fp32 update gives the same weights packed and padded (1e-4).
+one fp32 update gives the same weights packed and padded (1e-4), and with the response-row LM head as
+with the full output layer (1e-4).
 """
 
 import pytest
@@ -90,3 +91,17 @@ def test_packed_update_equals_padded_on_gpu(single_rank, gpu_llama_dir):
     assert packed.keys() == padded.keys()
     for name, tensor in packed.items():
         torch.testing.assert_close(tensor, padded[name], atol=1e-4, rtol=0, msg=name)
+
+
+def test_response_row_logits_update_equals_the_full_output_layer_on_gpu(single_rank, gpu_llama_dir, monkeypatch):
+    """The LM head of response rows (rlmega.workers.lm_head; with Megatron's fused weight-gradient kernel
+    where apex or transformer-engine provides it) trains like Megatron's full output layer. CPU twin:
+    tests/workers/test_lm_head.py."""
+    from rlmega.workers import lm_head
+
+    rows = _updated_weights(single_rank, gpu_llama_dir, packing=True)
+    monkeypatch.setattr(lm_head, "install", lambda model, vocab_size: False)
+    full = _updated_weights(single_rank, gpu_llama_dir, packing=True)
+    assert rows.keys() == full.keys()
+    for name, tensor in rows.items():
+        torch.testing.assert_close(tensor, full[name], atol=1e-4, rtol=0, msg=name)
