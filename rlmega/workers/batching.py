@@ -183,8 +183,10 @@ class MicroBatch:
     """``[1, 1, S, S]`` bool, True where attention is forbidden (packed rows without transformer-engine); else None."""
     packed_seq_params: Optional[object]
     """Megatron ``PackedSeqParams`` (THD) when packed with transformer-engine; else None."""
-    response_positions: torch.Tensor
-    """``[N]`` flat indices into ``B * S`` of the positions whose next-token prediction is a response token."""
+    response_positions: Optional[torch.Tensor]
+    """``[N]`` flat indices into ``B * S`` of the positions whose next-token prediction is a response token;
+    None in the micro-batch a head gets when the output holds exactly those rows, in order
+    (``rlmega.workers.lm_head``)."""
     response_targets: torch.Tensor
     """``[N]`` the response tokens predicted there."""
     response_lengths: list[int]

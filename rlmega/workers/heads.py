@@ -25,8 +25,11 @@ from rlmega.workers.passes import Head, HeadResult
 
 
 def _response_rows(micro_batch: MicroBatch, output: torch.Tensor) -> torch.Tensor:
-    """``[N, V_local]`` (or ``[N, 1]``): the output rows at the response-predicting positions."""
+    """``[N, V_local]`` (or ``[N, 1]``): the output rows at the response-predicting positions (all of
+    the output's rows when the LM head computed only those: ``response_positions`` is None)."""
     flat = output.flatten(0, -2)  # [B * S, V_local]; V_local may be 0 (a slice of padding only: lm_head)
+    if micro_batch.response_positions is None:
+        return flat
     return flat.index_select(0, micro_batch.response_positions.to(flat.device))
 
 

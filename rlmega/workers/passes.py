@@ -51,7 +51,7 @@ def run_schedule(chunks: list, micro_batches: list[MicroBatch], head: Head, *, f
         lm_head = response_logits_layer(model)
         if lm_head is not None:  # the output holds the response rows only, in order
             set_rows(lm_head, micro_batch.response_positions)
-            head_batch = dataclasses.replace(micro_batch, response_positions=torch.arange(len(micro_batch.response_positions)))
+            head_batch = dataclasses.replace(micro_batch, response_positions=None)
         else:
             head_batch = micro_batch
         output = model(
