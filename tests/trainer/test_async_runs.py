@@ -3,15 +3,13 @@ equals the same run with its rollouts generated in turn (bit for bit), the weigh
 trains on, and an asynchronous run killed with SIGKILL that resumes without losing or repeating a prompt."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from rlmega.config import load_config
+from trainer.test_trainer_runs import kill_after_checkpoint
 
 ASYNC = ["trainer.prompts_per_step=4", "rollout.n=4", "trainer.sft_steps=2", "trainer.val_every=0", "export_hf=false",
          "reward.num_workers=1", "layout.tp=1", "layout.world_size=1", "rollout.placement=disaggregated",
@@ -70,19 +68,14 @@ def test_killed_async_run_resumes_without_losing_or_repeating_a_prompt(tmp_path,
                f"trainer.total_steps={steps}", "trainer.save_every=1", "rollout.mode=async", "rollout.max_staleness=1"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     tracker = run_dir / "checkpoints" / "actor" / "latest_checkpointed_iteration.txt"
-    deadline = time.monotonic() + 240
-    while not (tracker.exists() and tracker.read_text() == "3") and time.monotonic() < deadline and process.poll() is None:
-        time.sleep(0.2)
-    os.killpg(process.pid, signal.SIGKILL)  # mid-run: the buffer holds groups of steps 4 and 5
-    process.wait(timeout=30)
-    assert tracker.read_text() == "3", "the run did not reach its third checkpoint"
+    killed_at = kill_after_checkpoint(process, tracker, 3, total=steps)  # mid-run: the buffer holds later steps' groups
     trained_before_kill = _rows(run_dir, "trained_prompts.jsonl")
     resumed = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     rows = _rows(run_dir, "trained_prompts.jsonl")
     assert [row["step"] for row in rows] == list(range(1, steps + 1))
-    assert rows[:3] == trained_before_kill[:3]  # what the checkpoint holds stays as it was
+    assert rows[:killed_at] == trained_before_kill[:killed_at]  # what the checkpoint holds stays as it was
     trained = [index for row in rows for index in row["prompts"]]
     assert len(trained) == len(set(trained)), "a prompt was trained on twice"
     # No prompt lost: in the sampler's order, every prompt before the last one trained was trained, except

@@ -40,6 +40,26 @@ def _train(run_dir, assets, *overrides, timeout_s=300):
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
 
 
+def kill_after_checkpoint(process: subprocess.Popen, tracker: Path, checkpoint: int, total: int) -> int:
+    """SIGKILL ``process``'s session (the driver and the Ray processes it started) at the first look that finds
+    checkpoint ``checkpoint`` or a later one written (a fast machine may be a step further by then); the checkpoint
+    it died at, asserted to be mid-run (before ``total``)."""
+
+    def checkpointed() -> int:
+        text = tracker.read_text().strip() if tracker.exists() else ""
+        return int(text) if text.isdigit() else 0
+
+    deadline = time.monotonic() + 240
+    while checkpointed() < checkpoint and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.05)
+    assert process.poll() is None, "the run ended before it was killed"
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
+    killed_at = checkpointed()
+    assert checkpoint <= killed_at < total, f"the run was killed at checkpoint {killed_at}, not mid-run"
+    return killed_at
+
+
 def _rows(run_dir):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [row for row in rows if not any(key.startswith("val/") for key in row)]
@@ -91,12 +111,7 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path, assets):
     command = [sys.executable, "-m", "rlmega.cli.main", "train", f"run_dir={run_dir}", *TINY, *steps]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     tracker = run_dir / "checkpoints" / "actor" / "latest_checkpointed_iteration.txt"
-    deadline = time.monotonic() + 240
-    while not (tracker.exists() and tracker.read_text() == "2") and time.monotonic() < deadline and process.poll() is None:
-        time.sleep(0.2)
-    os.killpg(process.pid, signal.SIGKILL)  # the driver and the Ray processes it started
-    process.wait(timeout=30)
-    assert tracker.read_text() == "2", "the run did not reach its second checkpoint"
+    kill_after_checkpoint(process, tracker, 2, total=4)
     resumed = _train(run_dir, assets, *steps)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
