@@ -13,8 +13,9 @@ Runs, each in a fresh process:
                  steps_per_generation = 1), num_iterations=1 (no separate old log-prob pass),
                  beta=0, transformers generate (no vLLM), use_cpu, fp32, no gradient checkpointing
                  (TRL turns it on by default; rlmega recomputes nothing by default).
-  rlmega 1 rank  rlmega train --config tiny_cpu, layout.world_size=1 layout.tp=1, colocated
-  rlmega TP2     the same at layout.world_size=2 layout.tp=2
+  rlmega 1 rank  rlmega train --config tiny_cpu, layout.world_size=1 layout.tp=1, colocated: in one process
+                 (cluster.in_process=auto picks it: the rank and the engine live in the driver, without Ray)
+  rlmega TP2     the same at layout.world_size=2 layout.tp=2: two rank actors and an engine actor on Ray
 rlmega's old log-probs come from the update's own forward pass (trainer.fuse_old_logprob, on by
 default) and the post-sync check runs after the first sync and every --check-every-th.
 
@@ -27,7 +28,11 @@ on_step_end wall times; rlmega's from timing_s/step in run_dir/metrics.jsonl. TR
 from its own profiling contexts (transformers.generate, _calculate_rewards, _prepare_inputs,
 compute_loss), collected by this script instead of a W&B / MLflow run.
 
-    python benchmarks/peer_trl.py [--steps 12] [--skip 2] [--only trl|rlmega] [--threads 2] [--work-dir DIR]
+Rounds (--rounds, default 3): each round runs every configuration once, in the same order, so that a
+machine that speeds up or slows down (a shared VM drifts by 50 % within minutes) moves all of them alike;
+a ratio is taken within a round, and the report gives each round's ratios and their median.
+
+    python benchmarks/peer_trl.py [--steps 22] [--skip 2] [--rounds 3] [--only trl|rlmega] [--threads 2] [--work-dir DIR]
 
 Needs TRL: pip install -e .[bench]
 """
@@ -58,9 +63,10 @@ LOG_TAIL_CHARS = 4000
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=12, help="RL steps per run (default 12)")
+    parser.add_argument("--steps", type=int, default=22, help="RL steps per run (default 22)")
     parser.add_argument("--skip", type=int, default=2, help="first steps left out of the medians (warm-up, default 2)")
     parser.add_argument("--only", choices=("trl", "rlmega"), default=None, help="run one framework only")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of every configuration, interleaved (default 3)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads each framework may use (default 2)")
     parser.add_argument("--check-every", type=int, default=10,
                         help="rlmega's sync.check_every: post-sync check after every k-th sync (default 10)")
@@ -82,17 +88,21 @@ def main() -> int:
 
     from rlmega.trainer.assets import prepare_tiny_assets
 
-    results = []
+    rounds = []
     with tempfile.TemporaryDirectory(prefix="peer_trl_") as scratch:
         work = Path(args.work_dir or scratch)
         work.mkdir(parents=True, exist_ok=True)
         assets = Path(prepare_tiny_assets(work / "assets")["model"]).parent
-        if "trl" in frameworks:
-            results.append(run_trl(work, assets, args))
-        if "rlmega" in frameworks:
-            for label, layout in (("1 rank", dict(world_size=1, tp=1)), ("TP2", dict(world_size=2, tp=2))):
-                results.append(run_rlmega(work, assets, args, label, layout))
-    print_report(results, args)
+        for number in range(1, args.rounds + 1):
+            print(f"round {number}/{args.rounds}", file=sys.stderr, flush=True)
+            results = []
+            if "trl" in frameworks:
+                results.append(run_trl(work, assets, args))
+            if "rlmega" in frameworks:
+                for label, layout in (("1 rank", dict(world_size=1, tp=1)), ("TP2", dict(world_size=2, tp=2))):
+                    results.append(run_rlmega(work, assets, args, label, layout))
+            rounds.append(results)
+    print_report(rounds, args)
     return 0
 
 
@@ -228,7 +238,8 @@ def run_rlmega(work: Path, assets: Path, args: argparse.Namespace, label: str, l
     rest = statistics.median(row["timing_s/step"] - sum(row.get(f"timing_s/{p}", 0.0) for p in RLMEGA_PHASES)
                              for row in measured)
     return {
-        "framework": "rlmega", "config": f"{label}, colocated", "step_s": step, "wall_s": wall,
+        "framework": "rlmega", "step_s": step, "wall_s": wall,
+        "config": f"{label}, {json.loads((run_dir / 'placement.json').read_text())['placement'].replace('_', ' ')}",
         "step_times": [row["timing_s/step"] for row in rows],
         "response_length": statistics.mean(row["response_length/mean"] for row in measured),
         "score": statistics.mean(row["critic/score/mean"] for row in measured),
@@ -250,22 +261,35 @@ def _run_logged(command: list[str], log_path: Path, name: str, env: dict[str, st
     return time.perf_counter() - started
 
 
-def print_report(results: list[dict], args: argparse.Namespace) -> None:
-    trl = next((r for r in results if r["framework"] == "TRL"), None)
+def print_report(rounds: list[list[dict]], args: argparse.Namespace) -> None:
+    """Each round's step times and ratios, the median ratio over rounds, and the last round's details."""
     print(f"{PROMPTS_PER_STEP} prompts x {RESPONSES_PER_PROMPT} responses, <= {MAX_NEW_TOKENS} new tokens; "
-          f"median of steps {args.skip + 1}..{args.steps}; {args.threads} threads each")
-    print(f"{'framework':<10}{'config':<28}{'s/step':>9}{'ratio to TRL':>14}{'resp len':>10}{'score':>8}{'wall s':>9}")
-    for r in results:
-        ratio = f"{r['step_s'] / trl['step_s']:.2f}x" if trl else "-"
-        print(f"{r['framework']:<10}{r['config']:<28}{r['step_s']:>9.3f}{ratio:>14}{r['response_length']:>10.2f}"
-              f"{r['score']:>8.3f}{r['wall_s']:>9.1f}")
+          f"median of steps {args.skip + 1}..{args.steps}; {args.threads} threads each; {len(rounds)} rounds")
+    print(f"{'round':<7}{'framework':<10}{'config':<28}{'s/step':>9}{'ratio to TRL':>14}{'resp len':>10}{'score':>8}"
+          f"{'wall s':>9}")
+    ratios: dict[str, list[float]] = defaultdict(list)
+    for number, results in enumerate(rounds, start=1):
+        trl = next((r for r in results if r["framework"] == "TRL"), None)
+        for r in results:
+            ratio = r["step_s"] / trl["step_s"] if trl else None
+            if ratio is not None:
+                ratios[f"{r['framework']} {r['config']}"].append(ratio)
+            shown = f"{ratio:.2f}x" if ratio is not None else "-"
+            print(f"{number:<7}{r['framework']:<10}{r['config']:<28}{r['step_s']:>9.3f}{shown:>14}"
+                  f"{r['response_length']:>10.2f}{r['score']:>8.3f}{r['wall_s']:>9.1f}")
+    if ratios:
+        print("\nmedian ratio to TRL over the rounds (each round's ratios):")
+        for name, values in ratios.items():
+            print(f"  {name:<40}{statistics.median(values):>6.2f}x   ({', '.join(f'{v:.2f}' for v in values)})")
+    results = rounds[-1]
+    trl = next((r for r in results if r["framework"] == "TRL"), None)
     if trl:
-        print(f"(TRL's own step_time log: median {trl['own_step_s']:.3f} s)")
-    print("\nseconds of each step (the first --skip are warm-up):")
+        print(f"\n(last round: TRL's own step_time log: median {trl['own_step_s']:.3f} s)")
+    print("\nlast round, seconds of each step (the first --skip are warm-up):")
     for r in results:
         print(f"  {r['framework']} {r['config']}: " + " ".join(f"{seconds:.3f}" for seconds in r["step_times"]))
     for r in results:
-        print(f"\n{r['framework']} {r['config']}: median seconds per phase (share of the median step)")
+        print(f"\nlast round, {r['framework']} {r['config']}: median seconds per phase (share of the median step)")
         for phase, seconds in r["phases"].items():
             print(f"  {phase:<30}{seconds:>8.3f}{seconds / r['step_s']:>8.1%}")
 

@@ -159,3 +159,74 @@ def test_two_stage_pipeline_exchange_keeps_tensors_apart():
     rank0, rank1 = run_on_ranks(_exchange_both_directions, 2, timeout_s=60)
     assert rank0 == ([11.0, 11.0], [21.0, 21.0])  # rank 1's activation and gradient, in place
     assert rank1 == ([10.0, 10.0], [20.0, 20.0])
+
+
+def _cuda_zeros_device() -> str:
+    """Where ``torch.zeros(1, device="cuda")`` lands on this thread: "cpu" under the redirect, else the error's name."""
+    try:
+        return torch.zeros(1, device="cuda").device.type
+    except (AssertionError, RuntimeError) as error:
+        return type(error).__name__
+
+
+def _suspended_and_redirected(rank, world_size):
+    import threading
+
+    seen = {"enabled": _cuda_zeros_device()}  # the ranks run with the platform enabled
+    with cpu_platform.suspended():
+        seen["suspended"] = _cuda_zeros_device()
+        with cpu_platform.redirected():
+            seen["redirected inside suspended"] = _cuda_zeros_device()
+        seen["suspended after"] = _cuda_zeros_device()
+        with cpu_platform.suspended():  # nothing to take off
+            seen["suspended twice"] = _cuda_zeros_device()
+    seen["after"] = _cuda_zeros_device()
+    with cpu_platform.redirected():  # already redirected: nothing changes, also after
+        seen["redirected twice"] = _cuda_zeros_device()
+    seen["after redirected"] = _cuda_zeros_device()
+    other: dict = {}  # modes are per thread: a new thread starts without the redirect
+    thread = threading.Thread(target=lambda: other.update(plain=_cuda_zeros_device()))
+    thread.start()
+    thread.join()
+    seen["other thread"] = other["plain"]
+    return seen
+
+
+def test_suspended_and_redirected_change_this_thread_for_the_block_only():
+    seen = run_on_ranks(_suspended_and_redirected, 1, timeout_s=60)[0]
+    off = seen["suspended"]
+    assert off != "cpu"  # the real torch: no CUDA here
+    assert seen == {"enabled": "cpu", "suspended": off, "redirected inside suspended": "cpu", "suspended after": off,
+                    "suspended twice": off, "after": "cpu", "redirected twice": "cpu", "after redirected": "cpu",
+                    "other thread": off}
+
+
+_FIRST_ENABLE_INSIDE_REDIRECTED = """
+import torch
+from rlmega.parallel import cpu_platform
+
+def device():
+    try:
+        return torch.zeros(1, device="cuda").device.type
+    except (AssertionError, RuntimeError) as error:
+        return type(error).__name__
+
+before = device()
+with cpu_platform.redirected():  # not enabled yet: enters nothing; enable() then enters the redirect
+    cpu_platform.enable()
+    inside, depth = device(), torch.overrides._len_torch_function_stack()
+print(before, inside, depth, device(), torch.overrides._len_torch_function_stack())
+"""
+
+
+def test_redirected_holds_what_enable_enters_in_the_block_only():
+    # A run in one process sets its rank up inside redirected(): the first enable() there must not leave a
+    # redirect behind on the driver's thread (its own torch calls, and its engine's, would pay for it on every op).
+    import subprocess
+    import sys
+
+    printed = subprocess.run([sys.executable, "-c", _FIRST_ENABLE_INSIDE_REDIRECTED], capture_output=True, text=True,
+                             timeout=120, check=True).stdout.split()
+    before, inside, depth, after, depth_after = printed
+    assert (inside, depth) == ("cpu", "1")
+    assert after == before != "cpu" and depth_after == "0"

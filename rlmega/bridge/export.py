@@ -74,16 +74,19 @@ def _gather(param, group, tp_rank: int, tp: int) -> torch.Tensor:
     return full
 
 
-# The units of a model's export never change (names, shapes, dtypes): announced once per model, by its first
-# chunk. Every rank exports the same models in the same order, so all of them skip the collective together.
-_ANNOUNCED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[ModelSpec, list[_Unit]]]" = weakref.WeakKeyDictionary()
+# What a model's export is made of never changes (its parameters, their rules and names; the units' names, shapes
+# and dtypes): worked out and announced once per model, by its first chunk. Every rank exports the same models in
+# the same order, so all of them skip the announcement's collective together.
+_PLANS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[ModelSpec, dict, list[_Unit]]]" = weakref.WeakKeyDictionary()
 
 
-def _announced(chunks: list, exported: dict, spec: ModelSpec) -> list[_Unit]:
-    known = _ANNOUNCED.get(chunks[0])
+def _plan(chunks: list, spec: ModelSpec) -> tuple[dict, list[_Unit]]:
+    """``(_exported_params, every owner's units)`` of the model of ``chunks``."""
+    known = _PLANS.get(chunks[0])
     if known is None or known[0] != spec:
-        known = _ANNOUNCED[chunks[0]] = (spec, _announce(exported, spec))
-    return known[1]
+        exported = _exported_params(chunks, spec)
+        known = _PLANS[chunks[0]] = (spec, exported, _announce(exported, spec))
+    return known[1], known[2]
 
 
 def _announce(exported: dict, spec: ModelSpec) -> list[_Unit]:
@@ -135,7 +138,8 @@ def _fill(units: list[_Unit], exported: dict, geometry) -> Optional[torch.Tensor
             if buffer is None:
                 buffer = torch.empty(nbytes, dtype=torch.uint8, device=tensor.device)
             size = tensor.numel() * tensor.element_size()
-            buffer[offset : offset + size].copy_(tensor.contiguous().view(-1).view(torch.uint8))
+            # Into a view of the buffer in the tensor's own dtype: a byte-wise copy moves the same bytes as 4x the elements.
+            buffer[offset : offset + size].view(tensor.dtype).view(tensor.shape).copy_(tensor)
             offset += size
         del gathered
     return buffer
@@ -196,9 +200,9 @@ def export_hf_buckets(
         if invalid:
             raise ValueError(f"destinations {invalid} are not ranks of this job (world size {dist.get_world_size()})")
     geometry = geometry_of(spec)
-    exported = _exported_params(chunks, spec)
+    exported, units = _plan(chunks, spec)
     device = _payload_device()
-    for bucket in bucketed(_announced(chunks, exported, spec), lambda unit: unit.nbytes, bucket_bytes):
+    for bucket in bucketed(units, lambda unit: unit.nbytes, bucket_bytes):
         for owner in sorted({unit.owner for unit in bucket}):
             units = [unit for unit in bucket if unit.owner == owner]
             payload = _fill(units, exported, geometry)

@@ -154,6 +154,12 @@ def validate(config: RLConfig) -> None:
              f"{rollout.mode} overlaps generation with training, so the engines need resources of their own: "
              "set rollout.placement=disaggregated")
     _require(rollout.max_staleness >= 0, "rollout.max_staleness", "must be >= 0")
+    if config.cluster.in_process == "always":
+        from rlmega.trainer.in_process import in_process_obstacles
+
+        obstacles = in_process_obstacles(config)
+        _require(not obstacles, "cluster.in_process", "always, but this run cannot run in one process: "
+                 f"{'; '.join(obstacles)}. Set cluster.in_process=auto to run it on Ray")
     _require(rollout.mode != "async" or config.algorithm.adv_estimator != "remax", "rollout.mode",
              "async cannot give remax the greedy baseline of the same weights; use sync or one_step_off")
     trainer = config.trainer

@@ -291,7 +291,48 @@ def enable() -> bool:
     _patch_torch_norm()
     _patch_pipeline_p2p()
     _patch_mla_without_te()
-    CudaAsCpu().__enter__()  # process-wide: every later Megatron call sees CPU devices
     _enabled = True
+    if not isinstance(torch.overrides._get_current_function_mode(), CudaAsCpu):  # redirected() may hold one
+        CudaAsCpu().__enter__()  # this thread's every later torch call; autograd's threads re-enter it (above)
     logger.debug("rlmega CPU platform enabled for megatron-core %s", megatron.core.__version__)
     return True
+
+
+def _redirecting() -> bool:
+    """Whether this thread's innermost torch-function mode is the redirect (modes are per thread)."""
+    return isinstance(torch.overrides._get_current_function_mode(), CudaAsCpu)
+
+
+@contextlib.contextmanager
+def suspended():
+    """Run code that never calls Megatron (a rollout engine in a training rank's process) without the
+    redirect: every torch call passes through ``CudaAsCpu``'s Python first, which doubles the cost of a
+    small op, and a generation makes thousands of them. Only this thread's redirect is taken off, and only
+    while the block runs; nothing happens where it is not active."""
+    if not _redirecting():
+        yield
+        return
+    mode = torch.overrides._get_current_function_mode()
+    mode.__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        mode.__enter__()
+
+
+@contextlib.contextmanager
+def redirected():
+    """The redirect for the block only, on a thread that otherwise runs without it: the driver of a run in one
+    process calls its Megatron rank this way, so that its own torch calls (advantages, batching, metrics) and
+    its engine's never pay for it. ``enable`` inside the block (the rank's set-up) adds no second redirect, and
+    the thread's modes are as they were afterwards. Nothing happens where the redirect is already active."""
+    if _redirecting():
+        yield
+        return
+    if _enabled:
+        CudaAsCpu().__enter__()
+    try:
+        yield
+    finally:
+        if _redirecting():  # the one entered above, or the one enable() entered in the block
+            torch.overrides._get_current_function_mode().__exit__(None, None, None)

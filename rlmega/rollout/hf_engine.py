@@ -112,7 +112,14 @@ class HFEngine:
         rows = RowSampling.build(
             row_params, [request_generator(per_prompt[i].seed, i, j, self.device) for i, j in requests],
             self.vocab_size, self.device)
-        input_ids, attention_mask = left_pad([prompts[i] for i, _ in requests], self.device)
+        # A text model reads each prompt once and its n rows share that prefill (its KV cache and last logits):
+        # the prompt's work is done once, not n times. A vision-language model's rows each carry their images, and
+        # MoE routing is recorded per row: those prefill every row.
+        prefilled = sorted({i for i, _ in requests}) if self.vision is None and self._routing is None else None
+        share = prefilled is not None and len(prefilled) < len(requests)
+        expand = torch.tensor([prefilled.index(i) for i, _ in requests], device=self.device) if share else None
+        input_ids, attention_mask = left_pad([prompts[i] for i in prefilled] if share else
+                                             [prompts[i] for i, _ in requests], self.device)
         position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)  # pads sit at 0; they are masked
         inputs = {}
         if self.vision is not None:
@@ -127,7 +134,7 @@ class HFEngine:
         stop_sets = [set(p.stop_token_ids) for p in row_params]
         with self._routing if self._routing is not None else contextlib.nullcontext():
             self._decode(input_ids, attention_mask, position_ids, cache, rows, row_params, stop_sets, responses,
-                         logprobs, finish, inputs)
+                         logprobs, finish, inputs, expand)
         routing = routing_or_none(self._routing, len(requests), [len(prompts[i]) for i, _ in requests],
                                   [len(response) for response in responses])
         return [Generation(prompt_index=i, response_token_ids=responses[row], logprobs=logprobs[row],
@@ -155,9 +162,10 @@ class HFEngine:
                             "image_grid_thw": torch.cat(grids).to(self.device)}
 
     def _decode(self, input_ids, attention_mask, position_ids, cache, rows, row_params, stop_sets, responses,
-                logprobs, finish, inputs=None) -> None:
+                logprobs, finish, inputs=None, expand=None) -> None:
         """One token per row per step until every row stopped, reached its length, or a pause came. ``inputs``:
-        what the first step also takes (a vision-language model's images)."""
+        what the first step also takes (a vision-language model's images); ``expand``: each row's row among the
+        first step's (the prompts read once, then shared by their rows), or None when they are the rows."""
         inputs = dict(inputs or {})
         if position_ids.dim() == 3:  # multimodal: text after the prompt continues from its largest position
             next_position = position_ids.amax(dim=(0, 2)).view(1, -1, 1) + 1
@@ -168,6 +176,11 @@ class HFEngine:
             logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                 use_cache=True, logits_to_keep=1, **{self._cache_arg: cache}, **inputs).logits[:, -1]
             inputs = {}
+            if expand is not None:  # after the prefill: every row gets its prompt's cache, logits and positions
+                cache.reorder_cache(expand)
+                logits, attention_mask, position_ids = (t.index_select(0, expand)
+                                                        for t in (logits, attention_mask, position_ids))
+                expand = None
             tokens, token_logprobs = select_next_tokens(logits, rows)
             for row, (token, logprob) in enumerate(zip(tokens.tolist(), token_logprobs.tolist())):
                 if finish[row] is not None:

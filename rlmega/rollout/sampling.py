@@ -8,7 +8,7 @@ same tokens whatever else is in the batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,14 +42,22 @@ def request_generator(seed: int | None, prompt_index: int, sample_index: int,
     return generator
 
 
-@dataclass(frozen=True)
+UNIFORM_BLOCK = 32
+"""Uniform numbers a row takes from its generator at once: the same numbers as drawn one per token (a generator's
+stream does not depend on how many it is asked for at a time), in one call per row every 32 tokens instead of one
+per row per token (on the tiny CPU job those calls took longer than the sampling itself)."""
+
+
+@dataclass
 class RowSampling:
-    """Sampling settings of B rows as tensors on the logits' device."""
+    """Sampling settings of B rows as tensors on the logits' device, and each row's generator."""
 
     temperature: torch.Tensor  # [B] float32; 0 means greedy
     top_k: torch.Tensor  # [B] int64; the vocabulary size when disabled
     top_p: torch.Tensor  # [B] float32
     generators: list[torch.Generator]  # [B]
+    _drawn: dict = field(default_factory=dict, init=False, repr=False)
+    """The sampled rows (a tuple) -> ([rows, UNIFORM_BLOCK] float64 numbers drawn ahead, how many are used)."""
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], generators: list[torch.Generator], vocab_size: int,
@@ -60,6 +68,17 @@ class RowSampling:
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             generators=generators,
         )
+
+    def next_uniforms(self, rows: list[int]) -> torch.Tensor:
+        """``[len(rows)]`` float64: the next uniform number of each of ``rows`` from its own generator."""
+        key = tuple(rows)
+        block, used = self._drawn.get(key, (None, UNIFORM_BLOCK))
+        if used == UNIFORM_BLOCK:
+            device = self.temperature.device
+            block, used = torch.stack([torch.rand(UNIFORM_BLOCK, generator=self.generators[row], device=device)
+                                       for row in rows]).double(), 0
+        self._drawn[key] = (block, used + 1)
+        return block[:, used]
 
 
 def select_next_tokens(logits: torch.Tensor, rows: RowSampling) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,8 +107,7 @@ def select_next_tokens(logits: torch.Tensor, rows: RowSampling) -> tuple[torch.T
         # One uniform number per row from its own generator; the token is the first, in id order, whose
         # cumulative mass exceeds it (all rows at once). A token of probability 0 adds no mass, so it never is.
         # In float64, u * total stays below the total for every u < 1.
-        uniform = torch.stack([torch.rand((), generator=rows.generators[row], device=logits.device)
-                               for row in sampled.tolist()]).double()
+        uniform = rows.next_uniforms(sampled.tolist())
         cumulative = probs.double().cumsum(dim=-1)
         tokens[sampled] = (cumulative <= uniform[:, None] * cumulative[:, -1:]).sum(dim=-1)
     scale = torch.where(rows.temperature > 0, rows.temperature, torch.ones_like(rows.temperature))

@@ -31,14 +31,13 @@ this process, so that ``shared_memory`` and ``broadcast`` set up their store, re
 from __future__ import annotations
 
 import threading
-import time
 import traceback
 from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Callable, Iterable, Optional, Protocol, Sequence
 
 from rlmega.sync.buckets import NamedTensors
-from rlmega.sync.control import POLL_MAX_S, POLL_MIN_S, Watch
+from rlmega.sync.control import Watch
 from rlmega.sync.errors import TransportError
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -106,47 +105,53 @@ def in_thread(function: Callable, *args) -> Future:
 class _HandOff:
     """One bucket at a time from the sending thread to the engine's thread. The sender puts a bucket
     only when the engine is ``idle`` (has consumed the previous one), so one bucket is being copied
-    in while the sender builds the next."""
+    in while the sender builds the next. Each side wakes the other at once (a condition, not polling)."""
 
     def __init__(self):
-        self._lock = threading.Lock()
+        self._changed = threading.Condition()
         self._bucket: Optional[NamedTensors] = None
         self._busy = False  # the engine is consuming a bucket
         self._end: Optional[str] = None  # "end", or the reason of an abort
 
+    def _idle(self) -> bool:
+        return self._bucket is None and not self._busy
+
     def idle(self) -> bool:
         """The engine has taken every bucket handed over (if it stops taking them, its update call
         ends, and the sender's ``Watch`` reports that)."""
-        with self._lock:
-            return self._bucket is None and not self._busy
+        with self._changed:
+            return self._idle()
+
+    def wait_idle(self, seconds: float) -> None:
+        """Return once ``idle()``, or after ``seconds``."""
+        with self._changed:
+            self._changed.wait_for(self._idle, seconds)
 
     def put(self, bucket: NamedTensors) -> None:
-        with self._lock:
+        with self._changed:
             self._bucket = bucket
+            self._changed.notify_all()
 
     def close(self, end: str) -> None:
-        with self._lock:
+        with self._changed:
             self._end = end
+            self._changed.notify_all()
 
     def __iter__(self):
         while True:
-            pause = POLL_MIN_S
-            while True:
-                with self._lock:
-                    bucket, self._bucket = self._bucket, None
-                    end = self._end
-                    self._busy = bucket is not None
-                if bucket is not None or end is not None:
-                    break
-                time.sleep(pause)
-                pause = min(2 * pause, POLL_MAX_S)
+            with self._changed:  # the sender always ends the stream (close), also when it fails
+                self._changed.wait_for(lambda: self._bucket is not None or self._end is not None)
+                bucket, self._bucket = self._bucket, None
+                end = self._end
+                self._busy = bucket is not None
             if bucket is None:
                 if end != "end":
                     raise TransportError(f"the sender aborted the update: {end}")
                 return
             yield from bucket
-            with self._lock:
+            with self._changed:
                 self._busy = False
+                self._changed.notify_all()
 
 
 class HandOffTransport:
@@ -166,12 +171,12 @@ class HandOffTransport:
                              for engine, handoff in zip(engines, self._handoffs)], self.timeout_s)
 
     def send(self, bucket: NamedTensors) -> None:
-        self._watch.until(self._idle, "the engines to take the previous bucket")
+        self._watch.until(self._idle, "the engines to take the previous bucket", block=self._wait_idle)
         for handoff in self._handoffs:
             handoff.put(bucket)
 
     def finish(self) -> None:
-        self._watch.until(self._idle, "the engines to take the last bucket")
+        self._watch.until(self._idle, "the engines to take the last bucket", block=self._wait_idle)
         for handoff in self._handoffs:
             handoff.close("end")
         self._watch.finish()
@@ -187,6 +192,10 @@ class HandOffTransport:
 
     def _idle(self) -> bool:
         return all(handoff.idle() for handoff in self._handoffs)
+
+    def _wait_idle(self, seconds: float) -> None:
+        for handoff in self._handoffs:  # ``until`` checks them all again, and the peers, after each wait
+            handoff.wait_idle(seconds)
 
 
 def _hand_off(name: str) -> Callable[..., Transport]:

@@ -94,8 +94,12 @@ def _wait_ready(group, what: str, timeout_s: float) -> None:
 
 
 def start_workers(config: RLConfig, *, with_rollout: bool = True):
-    """(TrainingRanks, RolloutGroup or None, placement description) for ``config``; on failure,
-    whatever was started is shut down again."""
+    """(TrainingRanks, RolloutGroup or None, placement description) for ``config``, or their twins in this
+    process when it runs in one (``cluster.in_process``); on failure, whatever was started is shut down again."""
+    from rlmega.trainer.in_process import runs_in_process, start_in_process
+
+    if runs_in_process(config):
+        return start_in_process(config, with_rollout=with_rollout)
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

@@ -24,8 +24,9 @@ STORE_TIMEOUT_S = 600.0
 
 
 class RankProcess:
-    """What runs inside one training rank's Ray actor. Every method is collective over the ranks and
-    returns rank 0's result (None elsewhere)."""
+    """What runs in one training rank's process: a Ray actor, or the driver of a run in one process
+    (``rlmega.trainer.in_process``). Every method is collective over the ranks and returns rank 0's result
+    (None elsewhere)."""
 
     def __init__(self, rank: int, world_size: int):
         from rlmega.trainer.worker_logs import redirect_output
@@ -38,24 +39,28 @@ class RankProcess:
         """This node's IP, the rendezvous port (rank 0: its process-group store's, bound here; 0 on the
         others) and the Ray node id (for rank 0's rendezvous and placement)."""
         import ray
-        import torch.distributed as dist
 
         ip = ray.util.get_node_ip_address()
-        port = 0
-        if self.rank == 0:
-            # The store binds its port now and holds it: a port found free and bound only at set-up could be
-            # taken in between by another process (seen under load: EADDRINUSE).
-            self._store = dist.TCPStore(ip, 0, self.world_size, is_master=True, wait_for_workers=False,
-                                        timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
-            port = self._store.port
+        port = self._listen(ip) if self.rank == 0 else 0
         return ip, port, ray.get_runtime_context().get_node_id()
 
-    def setup(self, master: tuple[str, int], config: RLConfig, total_steps: int) -> None:
-        """This rank of the policy's world: the actor, and the reference and critic when the run needs them."""
+    def _listen(self, ip: str) -> int:
+        """Rank 0: start the group's store on ``ip`` and return its port. The store binds its port now and holds
+        it: a port found free and bound only at set-up could be taken in between by another process (seen
+        under load: EADDRINUSE)."""
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore(ip, 0, self.world_size, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        return self._store.port
+
+    def setup(self, master: tuple[str, int], config: RLConfig, total_steps: int, cpus: Optional[float] = None) -> None:
+        """This rank of the policy's world: the actor, and the reference and critic when the run needs them.
+        ``cpus``: torch's threads (default ``cluster.cpus_per_rank``)."""
         from rlmega.models import model_spec_from_hf
         from rlmega.workers.worker import MegatronWorker
 
-        self._join(master, config.layout, config.cluster.cpus_per_rank, config)
+        self._join(master, config.layout, config.cluster.cpus_per_rank if cpus is None else cpus, config)
         self.spec = model_spec_from_hf(config.model.path, mtp=config.model.mtp)
         roles = {"actor": config.actor}
         if config.needs_reference:
@@ -67,6 +72,10 @@ class RankProcess:
         for name, worker_config in roles.items():
             self.workers[name] = MegatronWorker(self.spec, self.layout, worker_config, hf_dir=config.model.path,
                                                 total_steps=total_steps)
+
+    def setup_alone(self, config: RLConfig, total_steps: int, cpus: float) -> None:
+        """``setup`` for a world of this one rank, in a run in one process (``rlmega.trainer.in_process``)."""
+        self.setup(("127.0.0.1", self._listen("127.0.0.1")), config, total_steps, cpus)
 
     def setup_reward_model(self, master: tuple[str, int], config: RLConfig) -> None:
         """This rank of the reward model's own world: its layout, and the reward worker loaded from

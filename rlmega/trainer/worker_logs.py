@@ -7,11 +7,13 @@ What a worker raises still reaches the driver as an exception; a worker that die
 one line naming it and its log (``rlmega.trainer.remote.WorkerFailure``).
 
 The driver starts actors with ``actor_env(run_dir, name)`` among their environment variables and
-``logged(cls)`` as their class (or calls ``redirect_output()`` at the top of ``__init__``).
+``logged(cls)`` as their class (or calls ``redirect_output()`` at the top of ``__init__``). A run in one
+process keeps its rank's and engine's output in ``logs/workers/in-process.log`` with ``output_to``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -66,6 +68,16 @@ def redirect_output() -> None:
                 stream.reconfigure(line_buffering=True)
             except (ValueError, OSError):
                 pass
+
+
+@contextlib.contextmanager
+def output_to(log) -> None:
+    """The block's Python-level output (prints, warnings, progress bars) into the open file ``log``: for worker
+    code that runs in the driver's own process (``rlmega.trainer.in_process``), whose console must stay the
+    driver's. File descriptors stay as they are, so what the driver shows meanwhile (its progress bar holds
+    the console's stream itself) still reaches the terminal."""
+    with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        yield
 
 
 def logged(cls: type) -> type:

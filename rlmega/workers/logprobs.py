@@ -1,8 +1,8 @@
 """Log-probabilities and entropy of given tokens from vocabulary-parallel logits.
 
 Each tensor-parallel rank holds logits for its slice of the (padded) vocabulary, ``[N, V/tp]``.
-The full vocabulary is never gathered: per token, the ranks all-reduce a max, a sum of
-exponentials, the target's logit and ``sum p*z`` (four ``[N]`` vectors). Work runs over chunks
+The full vocabulary is never gathered: per token, the ranks all-reduce a max, then a sum of
+exponentials, the target's logit and ``sum p*z`` together (two collectives per chunk). Work runs over chunks
 of ``chunk_tokens`` tokens, so fp32 temporaries are bounded by ``chunk_tokens * V/tp`` whatever
 the sequence length, in the forward and in the backward (which recomputes the softmax per chunk
 instead of saving it).
@@ -48,13 +48,15 @@ def _chunk_statistics(logits: torch.Tensor, targets: torch.Tensor, vocab_start: 
     global_max = _all_reduce(local_max, dist.ReduceOp.MAX, group)
     shifted.sub_(global_max.unsqueeze(-1))
     exp = torch.exp(shifted)
-    sum_exp = _all_reduce(exp.sum(dim=-1), dist.ReduceOp.SUM, group)
     local_target = targets - vocab_start
     owned = (local_target >= 0) & (local_target < valid)
     picked = shifted.gather(-1, local_target.clamp(0, max(valid - 1, 0)).unsqueeze(-1)).squeeze(-1) if valid else torch.zeros_like(global_max)
-    target_shifted = _all_reduce(torch.where(owned, picked, torch.zeros_like(picked)), dist.ReduceOp.SUM, group)
-    # sum_v p_v z_v = max + sum_v p_v (z_v - max)
-    sum_pz = global_max + _all_reduce(_batched_dot(exp, shifted), dist.ReduceOp.SUM, group) / sum_exp
+    # The three sums in one all-reduce (each collective costs its latency): sum_v exp, the target's shifted logit
+    # (on the rank that owns it, 0 elsewhere), and sum_v exp (z_v - max).
+    sum_exp, target_shifted, dot = _all_reduce(torch.stack([
+        exp.sum(dim=-1), torch.where(owned, picked, torch.zeros_like(picked)), _batched_dot(exp, shifted)]),
+        dist.ReduceOp.SUM, group)
+    sum_pz = global_max + dot / sum_exp  # sum_v p_v z_v = max + sum_v p_v (z_v - max)
     lse = global_max + torch.log(sum_exp)
     return lse, global_max + target_shifted, sum_pz
 

@@ -101,18 +101,26 @@ def reporting_rank() -> bool:
             and ps.get_context_parallel_rank() == 0)
 
 
-def _several_ranks() -> bool:
-    """Whether the default group has other ranks to agree with (a collective of one is only a cost)."""
-    return dist.is_initialized() and dist.get_world_size() > 1
+def _results_elsewhere() -> bool:
+    """Whether some rank lacks results that another has, so that they must be summed over the default group:
+    with several data-parallel replicas (each computes its own sequences) or pipeline stages (only the last
+    computes them). Tensor- and context-parallel ranks of one replica all hold its whole results (the heads
+    gather what those split), so with neither no collective is needed (each costs its latency)."""
+    from megatron.core import parallel_state as ps
+
+    return (dist.is_initialized() and dist.get_world_size() > 1 and (
+        ps.get_data_parallel_world_size() > 1 or ps.get_pipeline_model_parallel_world_size() > 1))
 
 
 def combine_metrics(results: list[Optional[HeadResult]], micro_batches: list[MicroBatch]) -> dict[str, float]:
     """The heads' metrics over every micro-batch of every data-parallel rank, the same on all ranks:
-    token-weighted means of ``metrics``, totals of ``summed``. Collective over the default group."""
+    token-weighted means of ``metrics``, totals of ``summed``. Collective over the default group where ranks hold
+    different results (``_results_elsewhere``)."""
     means, totals = _agree_on_names(
         {n for r in results if r is not None for n in r.metrics}, {n for r in results if r is not None for n in r.summed})
     sums = torch.zeros(len(means) + len(totals) + 1, dtype=torch.float64)
-    if reporting_rank():
+    elsewhere = _results_elsewhere()
+    if reporting_rank() or not elsewhere:
         for result, micro_batch in zip(results, micro_batches):
             weight = float(sum(micro_batch.response_lengths))  # all its tokens, also under context parallelism
             sums[-1] += weight
@@ -122,7 +130,7 @@ def combine_metrics(results: list[Optional[HeadResult]], micro_batches: list[Mic
             for slot, name in enumerate(totals, start=len(means)):
                 if name in result.summed:
                     sums[slot] += float(result.summed[name])
-    if _several_ranks():
+    if elsewhere:
         dist.all_reduce(sums)
     total_weight = max(float(sums[-1]), 1.0)
     combined = {name: float(sums[slot]) / total_weight for slot, name in enumerate(means)}
@@ -133,7 +141,7 @@ def combine_metrics(results: list[Optional[HeadResult]], micro_batches: list[Mic
 def _agree_on_names(means: set[str], totals: set[str]) -> tuple[list[str], list[str]]:
     """Every rank's names of mean and summed metrics (only the last stage knows them), sorted; one all-gather."""
     gathered: list = [(means, totals)]
-    if _several_ranks():
+    if _results_elsewhere():
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (means, totals))
     return sorted(set().union(*(part[0] for part in gathered))), sorted(set().union(*(part[1] for part in gathered)))
@@ -145,14 +153,16 @@ def scatter_outputs(
     """Per-sequence ``name`` outputs of the whole batch on every rank.
 
     Each sequence is computed by exactly one data-parallel replica; its reporting rank writes it
-    into a flat buffer and a sum over all ranks assembles the batch. Collective.
+    into a flat buffer and a sum over all ranks assembles the batch (collective), unless every rank
+    already holds every result (``_results_elsewhere``).
     """
     offsets = list(itertools.accumulate(response_lengths, initial=0))
     flat = torch.zeros(offsets[-1], dtype=torch.float32)
-    if reporting_rank():
+    elsewhere = _results_elsewhere()
+    if reporting_rank() or not elsewhere:
         for result, micro_batch in zip(results, micro_batches):
             slots = concatenated_ranges([offsets[index] for index in micro_batch.indices], micro_batch.response_lengths)
             flat[slots] = result.outputs[name].detach().float().cpu()
-    if _several_ranks():
+    if elsewhere:
         dist.all_reduce(flat)
     return [part.clone() for part in flat.split(response_lengths)]  # each its own storage, sent on its own

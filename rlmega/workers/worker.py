@@ -28,7 +28,7 @@ from rlmega.models.spec import ModelSpec, has_transformer_engine
 from rlmega.parallel.layout import ParallelLayout
 from rlmega.workers import checkpoint, heads
 from rlmega.workers.batching import (
-    MicroBatch, SequenceBatch, balance_across_ranks, build_micro_batch, count_micro_batches, reading_at,
+    MicroBatch, SequenceBatch, balance_across_ranks, build_micro_batch, count_micro_batches, packs_better, reading_at,
     row_multiple, split_by_token_budget,
 )
 from rlmega.workers.config import WorkerConfig
@@ -287,9 +287,13 @@ class MegatronWorker:
             else:
                 shape = (max(len(group) for plan in plans for group in plan), max(lengths))
             shape = (shape[0], -(-max(shape[1], 1) // multiple) * multiple)
+        # Packed without THD attention (CPU), nearly equal lengths pad instead (``packs_better``); pipeline stages
+        # exchange one fixed shape and context parallelism splits one layout, so those keep the configured one.
+        choose = settings.packing and not use_thd and self.layout.pp == 1 and cp == 1
         micro_batches = [
-            build_micro_batch(batch, group, packing=settings.packing, pad_to_multiple=multiple, shape=shape,
-                              use_thd=use_thd, segment_multiple=segment_multiple, vision=self.spec.vision)
+            build_micro_batch(batch, group, pad_to_multiple=multiple, shape=shape, use_thd=use_thd,
+                              packing=packs_better([lengths[i] for i in group], multiple) if choose else settings.packing,
+                              segment_multiple=segment_multiple, vision=self.spec.vision)
             for group in plans[ps.get_data_parallel_rank()]
         ]
         if cp > 1:

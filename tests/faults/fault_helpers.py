@@ -20,7 +20,9 @@ sys.path.insert(0, str(HERE.parent / "launch"))  # launch_helpers
 from launch_helpers import descendants, launch_env  # noqa: E402
 from trainer.test_trainer_runs import TINY, _comparable, _rows  # noqa: E402,F401
 
-ONE_RANK = ["layout.tp=1", "layout.world_size=1"]
+# On Ray: these tests kill and watch its processes (rank and engine actors, the guardian), which a one-rank run would
+# not start by default (it runs in one process: cluster.in_process).
+ONE_RANK = ["layout.tp=1", "layout.world_size=1", "cluster.in_process=never"]
 POLL_S = 0.005
 
 

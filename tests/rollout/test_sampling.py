@@ -97,3 +97,22 @@ def test_rows_without_filters_draw_as_they_would_beside_filtered_rows():
     beside, _ = select_next_tokens(LOGITS.expand(8, -1).clone(), mixed)
     assert beside[0::2].tolist() == alone[0::2].tolist()  # the unfiltered rows take the same tokens
     assert set(beside[1::2].tolist()) <= {3}  # top-k 2 then top-p 0.5 of (2/3, 1/3) keeps token 3 alone
+
+
+def test_a_row_takes_one_number_of_its_generator_per_token_across_blocks():
+    # Each sampled row's k-th token comes from the k-th number of its generator, whether the numbers are drawn one
+    # at a time or UNIFORM_BLOCK at a time; greedy rows draw none (the sampled rows' streams do not move for them).
+    from rlmega.rollout.sampling import UNIFORM_BLOCK
+
+    steps = 2 * UNIFORM_BLOCK + 5
+    rows = _rows(6, seed=8)
+    rows.temperature[[1, 4]] = 0.0
+    sampled = [0, 2, 3, 5]
+    drawn = torch.stack([select_next_tokens(LOGITS.expand(6, -1).clone(), rows)[0] for _ in range(steps)], dim=1)
+    bounds = (torch.softmax(LOGITS, -1).double().cumsum(0)).tolist()
+    for row in sampled:
+        generator = request_generator(8, 0, row, CPU)
+        uniforms = [torch.rand((), generator=generator).double().item() for _ in range(steps)]
+        assert drawn[row].tolist() == [next(t for t, bound in enumerate(bounds) if u * bounds[-1] < bound)
+                                       for u in uniforms], row
+    assert set(drawn[[1, 4]].flatten().tolist()) == {int(LOGITS.argmax())}

@@ -1,0 +1,253 @@
+"""A run in one process (``cluster.in_process``): the training rank and the rollout engine live in the
+driver's process, without Ray, as a single-process trainer does.
+
+A one-rank run with a colocated transformers engine has nothing to place and no one to talk to, yet on Ray
+every step pays for process boundaries: the generate call and its answers, the batch sent to the rank and
+the log-probs sent back, the weight sync from the rank's process into the engine's, the version check. On a
+small model those cost more than the arithmetic (``benchmarks/peer_trl.py``). Here the same parts are called
+directly: ``InProcessRanks`` has ``TrainingRanks``' interface over one ``RankProcess`` object, so the role
+groups of ``rlmega.trainer.roles`` work unchanged, and ``InProcessEngines`` has ``RolloutGroup``'s over one
+engine object, into which the rank syncs weights by the ``in_process`` transport.
+
+Every call runs on the driver's own thread. A thread of their own would cost more than it keeps apart: torch's
+OpenMP keeps a team of worker threads per calling thread, and once the teams hold more threads than the
+machine has cores, every parallel region wakes its sleeping workers (measured: the step took 1.5-2x as long).
+On a machine without CUDA the rank's calls hold the CPU platform's redirect for Megatron
+(``rlmega.parallel.cpu_platform.redirected``) and nothing else does: the engine's and the trainer's own torch
+calls never need it and would pay for it on every op. What the rank and the engine print goes to the run's
+``logs/workers/in-process.log``, as a worker process's would go to its log; an exception they raise becomes the
+``WorkerFailure`` a worker's would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from rlmega.config.schema import RLConfig
+from rlmega.rollout.protocol import Generation, SamplingParams
+from rlmega.trainer.remote import WorkerFailure
+from rlmega.trainer.worker_logs import log_path, output_to
+
+RANK_NAME = "training rank 0"
+ENGINE_NAME = "rollout engine 0"
+
+
+def in_process_obstacles(config: RLConfig) -> list[str]:
+    """What keeps ``config`` from running in one process (empty: nothing)."""
+    rollout = config.rollout
+    obstacles = []
+    if config.layout.world_size != 1:
+        obstacles.append(f"layout.world_size={config.layout.world_size} (one training rank only)")
+    if rollout.backend != "hf":
+        obstacles.append(f"rollout.backend={rollout.backend} (the transformers engine only)")
+    if rollout.num_engines != 1:
+        obstacles.append(f"rollout.num_engines={rollout.num_engines} (one engine only)")
+    if rollout.placement != "colocated":
+        obstacles.append(f"rollout.placement={rollout.placement} (colocated only)")
+    if rollout.mode != "sync":
+        obstacles.append(f"rollout.mode={rollout.mode} (generation and training take turns in one process)")
+    if config.cluster.gpus_per_rank > 0 or rollout.gpus_per_engine > 0:
+        obstacles.append("GPUs (cluster.gpus_per_rank, rollout.gpus_per_engine): CPU runs only, for now")
+    if config.reward_model.enable:
+        obstacles.append("reward_model.enable (the reward model has ranks of its own)")
+    if config.judge.enable:
+        obstacles.append("judge.enable (the judge has engines of its own)")
+    if config.cluster.ray_address or os.environ.get("RAY_ADDRESS"):
+        obstacles.append("a Ray cluster to join (cluster.ray_address or RAY_ADDRESS)")
+    return obstacles
+
+
+def runs_in_process(config: RLConfig) -> bool:
+    """Whether the run's parts start in this process (``cluster.in_process``; ``always`` is checked at load)."""
+    return config.cluster.in_process == "always" or (
+        config.cluster.in_process == "auto" and not in_process_obstacles(config))
+
+
+def in_process_threads(config: RLConfig) -> int:
+    """torch's threads in a run in one process: what the colocated rank and engine would hold together on Ray
+    (``cluster.cpus_per_rank + rollout.cpus_per_engine``), since only one of them computes at a time, and no
+    more than the machine has."""
+    wanted = math.floor(config.cluster.cpus_per_rank + config.rollout.cpus_per_engine)
+    return max(1, min(wanted, os.cpu_count() or 1))
+
+
+class WorkerOutput:
+    """Where what the in-process rank and engine print goes: the run's ``logs/workers/in-process.log``."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(path, "a", buffering=1)  # line-buffered: current if the process dies
+
+    @contextlib.contextmanager
+    def of(self, name: str, what: str):
+        """The block is ``name`` doing ``what``: its output into the log, its exception a ``WorkerFailure`` naming
+        both (``rlmega train`` keeps the traceback in the run's logs)."""
+        try:
+            with output_to(self._log):
+                yield
+        except Exception as error:
+            raise WorkerFailure(f"{what}: {name} raised {type(error).__name__}: {error}") from error
+
+    def close(self) -> None:
+        self._log.close()
+
+
+class _Call:
+    """A method called the way a Ray actor's is (``.remote(...)``); its result is the answer itself."""
+
+    def __init__(self, method: Callable):
+        self.remote = method
+
+
+class _RankHandle:
+    """The in-process ``RankProcess`` seen through an actor handle's interface (``rank.update.remote(...)``), which
+    is how the role groups call every rank."""
+
+    def __init__(self, process):
+        self._process = process
+
+    def __getattr__(self, name: str) -> _Call:
+        return _Call(getattr(self._process, name))
+
+
+class InProcessRanks:
+    """``TrainingRanks``' interface over the one training rank of a run in one process."""
+
+    def __init__(self, config: RLConfig, output: WorkerOutput, total_steps: int):
+        from rlmega.trainer.training_group import RankProcess
+
+        self.names = [RANK_NAME]
+        self.nodes = [{"rank": 0, "ip": "127.0.0.1", "node_id": "in_process"}]
+        self._output = output
+        self._process = RankProcess(0, 1)
+        self._handle = _RankHandle(self._process)
+        self.each(lambda rank: rank.setup_alone.remote(config, total_steps, in_process_threads(config)), "setup")
+
+    def each(self, call: Callable[[Any], Any], what: str, timeout_s: Optional[float] = None) -> list:
+        """``call(rank_handle)`` on the one rank; its answer, in a list (``TrainingRanks.each``)."""
+        from rlmega.parallel.cpu_platform import redirected
+
+        with self._output.of(RANK_NAME, what), redirected():
+            return [call(self._handle)]
+
+    def first(self, call: Callable[[Any], Any], what: str, timeout_s: Optional[float] = None) -> Any:
+        return self.each(call, what)[0]
+
+    def set_offloaded(self, offloaded: bool) -> None:
+        self.each(lambda rank: rank.set_offloaded.remote(offloaded), "offload" if offloaded else "onload")
+
+    def save(self, root: str, extra: dict, keep: Optional[int] = None) -> dict:
+        return self.first(lambda rank: rank.save.remote(root, extra, keep), "save")
+
+    def load(self, root: str, step: int) -> dict:
+        return self.first(lambda rank: rank.load.remote(root, step), "load")
+
+    def shutdown(self) -> None:
+        """Leave the process group; the log closes with it (the engines are shut down before)."""
+        try:
+            self.each(lambda rank: rank.shutdown.remote(), "shutdown")
+        finally:
+            self._output.close()
+
+
+class InProcessEngine:
+    """``RolloutEngine`` over an engine object of this process whose calls never hold the CPU platform's redirect,
+    also when a rank's call makes them (the weight sync's post-sync check)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | Sequence[SamplingParams],
+                 images=None) -> list[Generation]:
+        from rlmega.parallel.cpu_platform import suspended
+
+        extra = {} if images is None else {"images": images}
+        with suspended():
+            return self.engine.generate(prompts, params, **extra)
+
+    def update_weights(self, named_tensors, version: int) -> None:
+        # The in_process transport calls this on a receiving thread of its own (to copy a bucket in while the
+        # rank exports the next), which never holds the redirect.
+        self.engine.update_weights(named_tensors, version)
+
+    def weight_version(self) -> int:
+        return self.engine.weight_version()
+
+    def sleep(self, level: int = 1) -> None:
+        self.engine.sleep(level)
+
+    def wake(self) -> None:
+        self.engine.wake()
+
+    def pause_generation(self) -> None:
+        self.engine.pause_generation()
+
+    def resume_generation(self) -> None:
+        self.engine.resume_generation()
+
+    def health(self) -> dict:
+        return self.engine.health()
+
+
+class InProcessEngines:
+    """``RolloutGroup``'s interface over the one engine of a run in one process (``engines``: what the rank
+    syncs weights into)."""
+
+    def __init__(self, config: RLConfig, output: WorkerOutput):
+        from rlmega.trainer.rollout_group import _engine
+
+        engine_class, arguments = _engine(config)
+        if config.actor.router_replay == "r3":  # MoE routing replay: the engine records its experts
+            arguments["record_routing"] = True
+        self.names = [ENGINE_NAME]
+        self.nodes = [{"engine": 0, "node_id": "in_process", "ip": "127.0.0.1"}]
+        self._output = output
+        with output.of(ENGINE_NAME, "starting engines"):
+            self.engines = [InProcessEngine(engine_class(config.model.path, **arguments))]
+
+    @property
+    def num_engines(self) -> int:
+        return 1
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, images=None) -> list[Generation]:
+        with self._output.of(ENGINE_NAME, "generate"):
+            return self.engines[0].generate(prompts, params, images)
+
+    def versions(self) -> list[int]:
+        return [self.engines[0].weight_version()]
+
+    def sleep(self, level: int = 1) -> None:
+        with self._output.of(ENGINE_NAME, "sleep"):
+            self.engines[0].sleep(level)
+
+    def wake(self) -> None:
+        with self._output.of(ENGINE_NAME, "wake"):
+            self.engines[0].wake()
+
+    def check_alive(self) -> None:
+        pass  # it lives as long as this process
+
+    def shutdown(self) -> None:
+        self.engines = []  # the model goes with its last reference
+
+
+def start_in_process(config: RLConfig, *, with_rollout: bool = True):
+    """(InProcessRanks, InProcessEngines or None, placement description) for a run in one process."""
+    output = WorkerOutput(log_path(config.run_dir, "in-process"))
+    try:
+        ranks = InProcessRanks(config, output, total_steps=config.trainer.total_steps)
+    except BaseException:
+        output.close()
+        raise
+    try:
+        engines = InProcessEngines(config, output) if with_rollout else None
+    except BaseException:
+        ranks.shutdown()
+        raise
+    placement = {"placement": "in_process", "training_ranks": ranks.nodes,
+                 "engines": engines.nodes if engines is not None else []}
+    return ranks, engines, placement
