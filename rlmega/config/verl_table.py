@@ -211,7 +211,7 @@ def _dtype(value: Any, verl: VerlConfig) -> Any:
 
 
 def _sequence_parallel(value: Any, verl: VerlConfig) -> Any:
-    return None if value else False  # None: rlmega's automatic choice, on when tp > 1, as verl's true
+    return None if value else False  # None: rlmega's automatic choice, on when tp > 1 on GPUs, as verl's true
 
 
 def _expert_tp(megatron: str) -> Rule:
@@ -612,7 +612,7 @@ def _megatron(owner: str, role: str) -> dict[str, Setting]:
     transformer = f"{megatron}.override_transformer_config"
     table.update({
         f"{megatron}.sequence_parallel": mapped(f"{role}.sequence_parallel", default=True, rule=gate(_sequence_parallel),
-                                                note="true becomes null (on when tp > 1, as in verl)"),
+                                                note="true becomes null (on when tp > 1 on GPUs, as in verl)"),
         f"{megatron}.use_distributed_optimizer": (
             needless("the reference has no optimizer", True) if role == "ref" else
             mapped(f"{role}.optimizer.distributed_optimizer", default=True, rule=gate(_same))),

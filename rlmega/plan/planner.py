@@ -310,7 +310,8 @@ def make_plan(config, config_name: str = "") -> Plan:
     engine = _engine(config, shape, refit.totals, preset)
     run = _Run(config=config, roles=roles, layout=layout, shape=shape, tokens=tokens, microbatches=microbatches,
                engine=engine, padded_vocab=padded_vocab_size(spec.vocab_size, layout.tp),
-               sequence_parallel=layout.tp > 1 if config.actor.sequence_parallel is None else config.actor.sequence_parallel,
+               sequence_parallel=config.actor.uses_sequence_parallel(layout.tp, moe=spec.num_experts is not None,
+                                                                     gpu=True),  # the plan is for GPUs
                recompute=formulas.Recompute.of(config.actor))
     positions = [_position(run, raw) for raw in measured]
     colocated = config.rollout.placement == "colocated"

@@ -49,7 +49,8 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, config: WorkerConfig) -
 
     check_head(spec, config.role)
     dtype = resolve_dtype(config)
-    sequence_parallel = layout.tp > 1 if config.sequence_parallel is None else config.sequence_parallel
+    sequence_parallel = config.uses_sequence_parallel(layout.tp, moe=spec.num_experts is not None,
+                                                      gpu=torch.cuda.is_available())
     if config.role == "critic" and spec.tie_word_embeddings:
         spec = _untied(spec)
     discarding = sorted(set(config.recompute_modules or ()) & OUTPUT_DISCARDING_RECOMPUTE)

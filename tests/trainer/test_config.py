@@ -129,3 +129,14 @@ def test_every_config_field_is_read_somewhere():
     unread = [f"{cls.__name__}.{name}" for cls, name in _fields(RLConfig)
               if name not in by_name and not re.search(rf"\.{name}\b", sources)]
     assert not unread, f"config fields nothing reads: {unread}"
+
+
+def test_sequence_parallelism_default_follows_the_devices_and_the_model():
+    from rlmega.workers.config import WorkerConfig
+
+    default, off, on = WorkerConfig(), WorkerConfig(sequence_parallel=False), WorkerConfig(sequence_parallel=True)
+    assert default.uses_sequence_parallel(2, moe=False, gpu=True)  # less activation memory on GPUs
+    assert not default.uses_sequence_parallel(2, moe=False, gpu=False)  # gloo's collectives cost more than it saves
+    assert default.uses_sequence_parallel(2, moe=True, gpu=False)  # Megatron requires it for MoE with tp > 1
+    assert not default.uses_sequence_parallel(1, moe=True, gpu=True)  # nothing to split at tp 1
+    assert on.uses_sequence_parallel(2, moe=False, gpu=False) and not off.uses_sequence_parallel(2, moe=True, gpu=True)

@@ -1,5 +1,5 @@
 """The critic's gradient does not depend on the layout: under sequence parallelism (on by default at
-tp > 1) every TP rank computes the same value loss from the gathered values, so the value head's
+tp > 1 on GPUs, set here) every TP rank computes the same value loss from the gathered values, so the value head's
 backward must split, not sum, the values' gradient (a sum made it tp times too large)."""
 
 import math
@@ -27,7 +27,8 @@ def llama(tmp_path_factory):
 
 def _grad_norm_body(rank, world_size, layout, hf_dir):
     initialize(layout)
-    config = WorkerConfig(role="critic", critic_loss=CriticLossConfig(cliprange_value=None))
+    config = WorkerConfig(role="critic", critic_loss=CriticLossConfig(cliprange_value=None),
+                          sequence_parallel=layout.tp > 1)  # on CPU a dense model's default is off
     worker = MegatronWorker(model_spec_from_hf(hf_dir), layout, config, hf_dir=hf_dir)
     with torch.no_grad():  # a known non-zero head, so the trunk gets a gradient too
         for param in (p for chunk in worker.chunks for p in chunk.parameters() if getattr(p, "is_value_head", False)):

@@ -22,7 +22,8 @@ def _body(rank, world_size, layout, hf_dir, rows_only):
         lm_head.install = lambda model, vocab_size: False
     initialize(layout)
     config = WorkerConfig(role="actor", optimizer=OptimizerConfig(lr=1e-2, adam_eps=1e-3, lr_schedule="constant"),
-                          policy_loss=PolicyLossConfig(name="ppo", entropy_coeff=0.01))
+                          policy_loss=PolicyLossConfig(name="ppo", entropy_coeff=0.01),
+                          sequence_parallel=layout.tp > 1)  # on CPU a dense model's default is off
     worker = MegatronWorker(model_spec_from_hf(hf_dir), layout, config, hf_dir=hf_dir)
     chunk = worker.chunks[-1]
     shapes = []

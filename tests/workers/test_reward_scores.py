@@ -68,39 +68,40 @@ def test_roles_refuse_the_wrong_head(reward_checkpoints, tmp_path):
         check_head(reward, "actor")
 
 
-def _scores_body(rank, world_size, layout, hf_dir):
+def _scores_body(rank, world_size, layout, hf_dir, sequence_parallel):
     initialize(layout)
     spec = model_spec_from_hf(hf_dir)
     scores = {}
     for packing in (True, False):  # a 20-token budget: several micro-batches per rank
-        config = WorkerConfig(role="reward", batching=BatchingConfig(packing=packing, max_tokens_per_microbatch=20))
+        config = WorkerConfig(role="reward", batching=BatchingConfig(packing=packing, max_tokens_per_microbatch=20),
+                              sequence_parallel=sequence_parallel)
         scores[packing] = MegatronWorker(spec, layout, config, hf_dir=hf_dir).compute_scores(make_batch())
     destroy()
     return scores
 
 
-CASES = {
-    "llama-tp1": ("llama", dict(world_size=1)),
-    "llama-tp2": ("llama", dict(tp=2, world_size=2)),  # with sequence parallelism
-    "llama-pp2": ("llama", dict(pp=2, world_size=2)),
-    "llama-dp2": ("llama", dict(world_size=2)),
-    "llama-cp2": ("llama", dict(cp=2, world_size=2)),
-    "qwen3-tp1": ("qwen3", dict(world_size=1)),
-    "qwen3-tp2": ("qwen3", dict(tp=2, world_size=2)),
-    "qwen3-pp2": ("qwen3", dict(pp=2, world_size=2)),
-    "llama-no-pad-tp1": ("llama-no-pad", dict(world_size=1)),  # HF then scores one sequence at a time
+CASES = {  # checkpoint, layout, sequence parallelism (None: the default, off for a dense model on CPU)
+    "llama-tp1": ("llama", dict(world_size=1), None),
+    "llama-tp2-sp": ("llama", dict(tp=2, world_size=2), True),  # the score head's gather over the sequence slices
+    "llama-pp2": ("llama", dict(pp=2, world_size=2), None),
+    "llama-dp2": ("llama", dict(world_size=2), None),
+    "llama-cp2": ("llama", dict(cp=2, world_size=2), None),
+    "qwen3-tp1": ("qwen3", dict(world_size=1), None),
+    "qwen3-tp2": ("qwen3", dict(tp=2, world_size=2), None),
+    "qwen3-pp2": ("qwen3", dict(pp=2, world_size=2), None),
+    "llama-no-pad-tp1": ("llama-no-pad", dict(world_size=1), None),  # HF then scores one sequence at a time
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_reward_scores_match_hf(reward_checkpoints, case):
-    checkpoint, layout_args = CASES[case]
+    checkpoint, layout_args, sequence_parallel = CASES[case]
     layout = ParallelLayout(**layout_args)
     batch = make_batch()
     expected = hf_scores(reward_checkpoints[checkpoint], batch.tokens)
     assert expected.abs().min() > 1e-2  # scores far from 0, so a wrong position shows
     for scores in run_on_ranks(_scores_body, layout.world_size, timeout_s=TIMEOUT_S,
-                               args=(layout, str(reward_checkpoints[checkpoint]))):
+                               args=(layout, str(reward_checkpoints[checkpoint]), sequence_parallel)):
         for packing, got in scores.items():  # every rank has the whole batch's scores
             assert got.shape == (len(batch),) and got.dtype == torch.float32
             torch.testing.assert_close(got, expected, atol=ATOL, rtol=0, msg=f"packing={packing}")

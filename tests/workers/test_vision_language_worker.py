@@ -40,7 +40,8 @@ def _body(rank, world_size, layout, hf_dir, batch, packing, freeze_vision):
     initialize(layout)
     config = WorkerConfig(role="actor", optimizer=OptimizerConfig(lr=1e-2, lr_schedule="constant"),
                           batching=BatchingConfig(max_tokens_per_microbatch=60, packing=packing),
-                          freeze_vision=freeze_vision)
+                          freeze_vision=freeze_vision,
+                          sequence_parallel=layout.tp > 1)  # the image features' scatter over the sequence slices
     worker = MegatronWorker(model_spec_from_hf(hf_dir), layout, config, hf_dir=hf_dir)
     before = {name: tensor.clone() for name, tensor in worker.export_hf_weights(destinations=[world_size - 1])}
     logprobs, _ = worker.compute_logprobs(batch)
