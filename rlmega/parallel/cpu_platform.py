@@ -50,6 +50,11 @@ def _is_cuda_device(device) -> bool:
     return False
 
 
+# The calls that can name a device (or report a type) without keyword arguments; every other call does it by
+# keyword (factory functions take ``device`` and ``pin_memory`` only so).
+_NAMING_DEVICES_POSITIONALLY = frozenset({torch.device, torch.Tensor.cuda, torch.Tensor.to, torch.Tensor.type})
+
+
 class CudaAsCpu(TorchFunctionMode):
     """Maps every CUDA device named in a torch call to the CPU.
 
@@ -60,6 +65,8 @@ class CudaAsCpu(TorchFunctionMode):
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not kwargs and func not in _NAMING_DEVICES_POSITIONALLY:  # most calls: nothing to map, nothing to copy
+            return func(*args)
         kwargs = dict(kwargs or {})
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
