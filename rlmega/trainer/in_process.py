@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional, Sequence
 from rlmega.config.schema import RLConfig
 from rlmega.rollout.protocol import Generation, SamplingParams
 from rlmega.trainer.remote import WorkerFailure
+from rlmega.trainer.training_group import RankCalls, RankProcess
 from rlmega.trainer.worker_logs import log_path, output_to
 
 RANK_NAME = "training rank 0"
@@ -114,12 +115,10 @@ class _RankHandle:
         return _Call(getattr(self._process, name))
 
 
-class InProcessRanks:
+class InProcessRanks(RankCalls):
     """``TrainingRanks``' interface over the one training rank of a run in one process."""
 
     def __init__(self, config: RLConfig, output: WorkerOutput, total_steps: int):
-        from rlmega.trainer.training_group import RankProcess
-
         self.names = [RANK_NAME]
         self.nodes = [{"rank": 0, "ip": "127.0.0.1", "node_id": "in_process"}]
         self._output = output
@@ -133,18 +132,6 @@ class InProcessRanks:
 
         with self._output.of(RANK_NAME, what), redirected():
             return [call(self._handle)]
-
-    def first(self, call: Callable[[Any], Any], what: str, timeout_s: Optional[float] = None) -> Any:
-        return self.each(call, what)[0]
-
-    def set_offloaded(self, offloaded: bool) -> None:
-        self.each(lambda rank: rank.set_offloaded.remote(offloaded), "offload" if offloaded else "onload")
-
-    def save(self, root: str, extra: dict, keep: Optional[int] = None) -> dict:
-        return self.first(lambda rank: rank.save.remote(root, extra, keep), "save")
-
-    def load(self, root: str, step: int) -> dict:
-        return self.first(lambda rank: rank.load.remote(root, step), "load")
 
     def shutdown(self) -> None:
         """Leave the process group; the log closes with it (the engines are shut down before)."""

@@ -236,7 +236,28 @@ class RankResources:
         return [{"CPU": self.cpus_per_rank, "GPU": self.gpus_per_rank}] * self.world_size
 
 
-class TrainingRanks:
+class RankCalls:
+    """The job's calls on its ranks, made with ``each`` (``call(rank_handle)`` on every rank, answers in rank
+    order), which a group of ranks defines: ``TrainingRanks`` on Ray, ``InProcessRanks`` in one process."""
+
+    def each(self, call: Callable[[Any], Any], what: str, timeout_s: Optional[float] = None) -> list:
+        raise NotImplementedError
+
+    def first(self, call: Callable[[Any], Any], what: str, timeout_s: Optional[float] = None) -> Any:
+        """``call`` on every rank; rank 0's answer."""
+        return self.each(call, what, timeout_s)[0]
+
+    def set_offloaded(self, offloaded: bool) -> None:
+        self.each(lambda rank: rank.set_offloaded.remote(offloaded), "offload" if offloaded else "onload")
+
+    def save(self, root: str, extra: dict, keep: Optional[int] = None) -> dict:
+        return self.first(lambda rank: rank.save.remote(root, extra, keep), "save")
+
+    def load(self, root: str, step: int) -> dict:
+        return self.first(lambda rank: rank.load.remote(root, step), "load")
+
+
+class TrainingRanks(RankCalls):
     """``resources.world_size`` rank actors placed in ``placement_group`` bundles 0..world_size-1, one
     world of their own; ``setup(rank, master)`` builds each rank's workers (a ``.remote`` call)."""
 
@@ -284,19 +305,6 @@ class TrainingRanks:
     def each(self, call: Callable[[Any], Any], what: str, timeout_s: Optional[float] = None) -> list:
         """``call(rank_handle)`` (a ``.remote(...)`` call) on every rank; all answers, in rank order."""
         return wait_all([call(rank) for rank in self.ranks], self.names, timeout_s or self.timeout_s, what)
-
-    def first(self, call: Callable[[Any], Any], what: str, timeout_s: Optional[float] = None) -> Any:
-        """``call`` on every rank; rank 0's answer."""
-        return self.each(call, what, timeout_s)[0]
-
-    def set_offloaded(self, offloaded: bool) -> None:
-        self.each(lambda rank: rank.set_offloaded.remote(offloaded), "offload" if offloaded else "onload")
-
-    def save(self, root: str, extra: dict, keep: Optional[int] = None) -> dict:
-        return self.first(lambda rank: rank.save.remote(root, extra, keep), "save")
-
-    def load(self, root: str, step: int) -> dict:
-        return self.first(lambda rank: rank.load.remote(root, step), "load")
 
     def shutdown(self) -> None:
         import ray
