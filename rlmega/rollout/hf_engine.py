@@ -117,7 +117,10 @@ class HFEngine:
         # MoE routing is recorded per row: those prefill every row.
         prefilled = sorted({i for i, _ in requests}) if self.vision is None and self._routing is None else None
         share = prefilled is not None and len(prefilled) < len(requests)
-        expand = torch.tensor([prefilled.index(i) for i, _ in requests], device=self.device) if share else None
+        expand = None  # each row's row in the prefill
+        if share:
+            row_of = {prompt: row for row, prompt in enumerate(prefilled)}
+            expand = torch.tensor([row_of[i] for i, _ in requests], device=self.device)
         input_ids, attention_mask = left_pad([prompts[i] for i in prefilled] if share else
                                              [prompts[i] for i, _ in requests], self.device)
         position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)  # pads sit at 0; they are masked

@@ -56,8 +56,9 @@ class RowSampling:
     top_k: torch.Tensor  # [B] int64; the vocabulary size when disabled
     top_p: torch.Tensor  # [B] float32
     generators: list[torch.Generator]  # [B]
-    _drawn: dict = field(default_factory=dict, init=False, repr=False)
-    """The sampled rows (a tuple) -> ([rows, UNIFORM_BLOCK] float64 numbers drawn ahead, how many are used)."""
+    _ahead: torch.Tensor | None = field(default=None, init=False, repr=False)
+    """``[sampled rows, UNIFORM_BLOCK]`` float64: numbers drawn ahead, of which ``_used`` are used."""
+    _used: int = field(default=UNIFORM_BLOCK, init=False, repr=False)
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], generators: list[torch.Generator], vocab_size: int,
@@ -70,15 +71,15 @@ class RowSampling:
         )
 
     def next_uniforms(self, rows: list[int]) -> torch.Tensor:
-        """``[len(rows)]`` float64: the next uniform number of each of ``rows`` from its own generator."""
-        key = tuple(rows)
-        block, used = self._drawn.get(key, (None, UNIFORM_BLOCK))
-        if used == UNIFORM_BLOCK:
+        """``[len(rows)]`` float64: the next uniform number of each of ``rows`` (the sampled rows, the same at every
+        call) from its own generator."""
+        if self._used == UNIFORM_BLOCK:
             device = self.temperature.device
-            block, used = torch.stack([torch.rand(UNIFORM_BLOCK, generator=self.generators[row], device=device)
-                                       for row in rows]).double(), 0
-        self._drawn[key] = (block, used + 1)
-        return block[:, used]
+            self._ahead = torch.stack([torch.rand(UNIFORM_BLOCK, generator=self.generators[row], device=device)
+                                       for row in rows]).double()
+            self._used = 0
+        self._used += 1
+        return self._ahead[:, self._used - 1]
 
 
 def select_next_tokens(logits: torch.Tensor, rows: RowSampling) -> tuple[torch.Tensor, torch.Tensor]:
