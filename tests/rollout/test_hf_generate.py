@@ -125,3 +125,17 @@ def test_request_errors_are_clear(engine):
     with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
         engine.generate([[1]], [SamplingParams(), SamplingParams()])
     assert engine.generate([], SamplingParams()) == []
+
+
+def test_each_prompt_is_prefilled_once_for_its_samples(engine, reference):
+    rows = []
+    hook = engine.model.register_forward_pre_hook(lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[0]),
+                                                  with_kwargs=True)
+    try:
+        generations = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=4, n=3, seed=2))
+    finally:
+        hook.remove()
+    assert rows == [len(PROMPTS)] + [3 * len(PROMPTS)] * 3  # the prefill, then one step per token for every sample
+    for generation in generations:  # every sample decodes from its prompt's shared cache
+        expected = teacher_forced_logprobs(reference, PROMPTS[generation.prompt_index], generation.response_token_ids)
+        torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=LOGPROB_ATOL, rtol=0)
