@@ -6,6 +6,9 @@ Megatron-Core assumes CUDA in a few dozen places: tensors allocated with ``devic
 them a CPU meaning changes nothing that worked before. This module is the only place in rlmega
 that does so; each redirect below says why in one line.
 
+``route_collectives`` (called by ``layout.initialize`` on CPU) sends the all-reduces and broadcasts of given
+groups through shared memory where their ranks share a host, since gloo's loopback TCP costs 0.3-1 ms each.
+
 ``enable()`` is a no-op when CUDA is available: on GPU, Megatron runs untouched.
 The redirects were checked against the megatron-core versions in ``CHECKED_MCORE_VERSIONS``;
 any other version is refused rather than half-patched.
@@ -19,8 +22,10 @@ import logging
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+from rlmega.parallel.host_collectives import Completed, HostCollectives
 from rlmega.parallel.mcore_version import require_checked
 
 logger = logging.getLogger(__name__)
@@ -261,6 +266,56 @@ def _patch_mla_without_te():
         from megatron.core.transformer import multi_latent_attention
 
         multi_latent_attention.HAVE_TE = False
+
+
+# ---- collectives of ranks on one host --------------------------------------------------
+
+# Megatron's groups whose collectives go through shared memory (rlmega.parallel.host_collectives): the group
+# -> its HostCollectives, or None where a rank could not map the region (that group stays on gloo).
+_HOST_GROUPS: dict = {}
+_gloo_all_reduce = dist.all_reduce
+_gloo_broadcast = dist.broadcast
+_COMPLETED = Completed()
+
+
+def route_collectives(groups: list, timeout_s: float) -> int:
+    """Collective over each of ``groups`` (in this order on every rank): their all-reduces and broadcasts go
+    through shared memory where all of a group's ranks share this host's /dev/shm. Only groups that Megatron
+    never batches in a ``_coalescing_manager`` may be given (it collects gloo calls and issues them at its end).
+    The number of groups routed."""
+    for group in groups:
+        if group is not None and group not in _HOST_GROUPS and dist.get_world_size(group) > 1:
+            _HOST_GROUPS[group] = HostCollectives.open(group, timeout_s)
+    # torch.distributed's functions are looked up on the module at each call (Megatron, rlmega): replace those.
+    dist.all_reduce, dist.broadcast = _all_reduce, _broadcast
+    return sum(host is not None for host in _HOST_GROUPS.values())
+
+
+def unroute_collectives() -> None:
+    """Every group back on gloo (their process groups are being destroyed)."""
+    _HOST_GROUPS.clear()
+    dist.all_reduce, dist.broadcast = _gloo_all_reduce, _gloo_broadcast
+
+
+def _host(group, tensor: torch.Tensor, op=dist.ReduceOp.SUM):
+    host = _HOST_GROUPS.get(dist.group.WORLD if group is None else group)
+    return host if host is not None and host.takes(tensor, op) else None
+
+
+def _all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    host = _host(group, tensor, op)
+    if host is None:
+        return _gloo_all_reduce(tensor, op=op, group=group, async_op=async_op)
+    host.all_reduce(tensor, op)
+    return _COMPLETED if async_op else None
+
+
+def _broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+    host = _host(group, tensor)
+    if host is None:
+        return _gloo_broadcast(tensor, src=src, group=group, async_op=async_op, group_src=group_src)
+    host.broadcast(tensor, group_src if group_src is not None else dist.get_group_rank(host.group, src))
+    return _COMPLETED if async_op else None
 
 
 def check_mcore_version(version: str) -> None:

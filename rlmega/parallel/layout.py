@@ -229,12 +229,15 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def initialize(layout: ParallelLayout, *, timeout_s: float = 300.0, seed: int = 1234) -> None:
+def initialize(layout: ParallelLayout, *, timeout_s: float = 300.0, seed: int = 1234,
+               host_collectives: bool = True) -> None:
     """Create Megatron's process groups for ``layout``, on NCCL with CUDA and on gloo without,
     and seed Megatron's per-group RNG streams (dropout, initialisation) from ``seed``.
 
     Starts ``torch.distributed`` first when nobody has, from the variables torchrun sets (RANK,
-    WORLD_SIZE, MASTER_ADDR, MASTER_PORT). On CPU it also enables the platform redirects.
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT). On CPU it also enables the platform redirects, and (unless
+    ``host_collectives`` is False) sends the collectives of ranks on one host through shared memory
+    (``rlmega.parallel.host_collectives``).
     """
     from megatron.core import parallel_state
 
@@ -261,12 +264,21 @@ def initialize(layout: ParallelLayout, *, timeout_s: float = 300.0, seed: int = 
 
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
+    if cpu_platform.is_enabled() and host_collectives:
+        # The update's tensor-parallel all-reduces, its checks' (model-parallel and world) and the export's TP
+        # gathers: through shared memory where the group's ranks share a host. Megatron batches only its
+        # data-parallel gradient reductions (a coalescing manager), so those groups stay on gloo.
+        cpu_platform.route_collectives([dist.group.WORLD, parallel_state.get_tensor_model_parallel_group(),
+                                        parallel_state.get_model_parallel_group()], timeout_s)
 
 
 def destroy(*, including_default_group: bool = False) -> None:
     """Tear down Megatron's process groups, and the default group too when asked."""
     from megatron.core import parallel_state
 
+    from rlmega.parallel import cpu_platform
+
+    cpu_platform.unroute_collectives()
     parallel_state.destroy_model_parallel()
     if including_default_group and dist.is_initialized():
         dist.destroy_process_group()

@@ -206,3 +206,35 @@ def _refused_body(rank, world_size, hf_dir):
         worker.update_on_policy(make_batch())
     finally:
         destroy()
+
+
+def _host_collectives_body(rank, world_size, layout, hf_dir, host_collectives):
+    from rlmega.parallel import cpu_platform
+
+    initialize(layout, host_collectives=host_collectives)
+    worker = MegatronWorker(_spec(hf_dir), layout, _config(min_microbatches=2), hf_dir=hf_dir)
+    batch = make_batch()
+    old_logp, _ = worker.compute_logprobs(batch)
+    metrics = worker.update(_training_batch(batch, old_logp))
+    weights = {name: tensor.clone() for name, tensor in worker.export_hf_weights(destinations=[0])}
+    through_shared_memory = sum(host._sequence for host in cpu_platform._HOST_GROUPS.values() if host)
+    destroy()
+    return metrics, weights, old_logp, through_shared_memory
+
+
+def test_shared_memory_collectives_give_the_gloo_run_bit_for_bit(checkpoints):
+    """TP2 on one host: the tensor-parallel all-reduces, the checks' and the export's gathers through shared
+    memory (rlmega.parallel.host_collectives) give exactly the log-probs, metrics and weights of gloo."""
+    layout = ParallelLayout(tp=2, world_size=2)
+    runs = {host: run_on_ranks(_host_collectives_body, 2, timeout_s=TIMEOUT_S,
+                               args=(layout, str(checkpoints["llama"]), host))[0] for host in (False, True)}
+    gloo_metrics, gloo_weights, gloo_logp, gloo_routed = runs[False]
+    host_metrics, host_weights, host_logp, host_routed = runs[True]
+    assert gloo_routed == 0 and host_routed > 20
+    def numbers(metrics):
+        return {name: value for name, value in metrics.items() if not name.startswith("perf/")}  # not timings
+
+    assert numbers(host_metrics) == numbers(gloo_metrics)
+    assert all(torch.equal(host, gloo) for host, gloo in zip(host_logp, gloo_logp))
+    assert host_weights.keys() == gloo_weights.keys()
+    assert all(torch.equal(host_weights[name], gloo_weights[name]) for name in gloo_weights)
