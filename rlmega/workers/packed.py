@@ -5,6 +5,7 @@ trainer sends them to every rank and takes per-sequence results back on every st
 tensor costs a storage record of its own (~0.1-0.3 ms); 64 x 5 of them took longer than the model's forward on
 the tiny job. Packed, a list is one tensor and its lengths: one record, whatever the number of sequences. The
 receiver gets the same list (views of one buffer), in the same order, with the same values, dtypes and shapes.
+On CPU the buffer crosses as a numpy array (0.03 ms to pickle and unpickle against 0.19 ms for a tensor).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ class TensorList(list):
         packed = None if spawning() else pack(self)
         if packed is None:
             return (TensorList, (list(self),))
+        flat, lengths, trailing = packed
+        if flat.device.type == "cpu":  # as a numpy array: a fifth of a torch tensor's pickling cost, each way
+            return (unpack_array, (_array(flat), str(flat.dtype).removeprefix("torch."), lengths, trailing))
         return (unpack, packed)
 
 
@@ -52,6 +56,24 @@ def unpack(flat: torch.Tensor, lengths: list[int], trailing: tuple[int, ...] = (
     if sum(lengths) != flat.shape[0] or tuple(flat.shape[1:]) != tuple(trailing):
         raise ValueError(f"{list(flat.shape)} cannot be split into rows {lengths} of shape {list(trailing)}")
     return TensorList(torch.split(flat, lengths))
+
+
+def unpack_array(array, dtype: str, lengths: list[int], trailing: tuple[int, ...] = ()) -> TensorList:
+    """``unpack`` of a CPU ``flat`` that crossed as a numpy array (of ``dtype``'s bits where numpy has no such type)."""
+    flat = torch.from_numpy(array if array.flags.writeable else array.copy())  # Ray may hand over read-only memory
+    dtype = getattr(torch, dtype)
+    return unpack(flat if flat.dtype == dtype else flat.view(dtype), lengths, trailing)
+
+
+_SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _array(flat: torch.Tensor):
+    """``flat`` as a numpy array; a dtype numpy lacks (bfloat16, float8) as the integers of its width."""
+    try:
+        return flat.contiguous().numpy()
+    except TypeError:
+        return flat.contiguous().view(_SAME_WIDTH[flat.element_size()]).numpy()
 
 
 def portable(value):

@@ -7,7 +7,7 @@ import torch
 
 from rlmega.data.schema import ImageInputs
 from rlmega.workers.batching import SequenceBatch
-from rlmega.workers.packed import TensorList, pack, portable, unpack
+from rlmega.workers.packed import TensorList, pack, portable, unpack, unpack_array
 
 
 def _storages(tensors) -> int:
@@ -100,3 +100,25 @@ def test_batches_reach_spawned_processes_whole():
     got_tokens, got_lists = run_on_ranks(_sums, 1, timeout_s=300, args=([batch, shared], lists))[0]
     assert got_tokens == [[int(t.sum()) for t in batch.tokens]] * 2
     assert got_lists == pytest.approx([float(t.sum()) for t in lists], abs=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.bool,
+                                   torch.float8_e4m3fn])
+def test_every_dtype_crosses_as_a_numpy_array_bit_for_bit(dtype):
+    """CPU lists cross as numpy arrays (cheaper to pickle than tensors); dtypes numpy lacks go as their bits."""
+    values = [torch.randn(n, 2).to(dtype) for n in (3, 1, 4)]
+    reduced = TensorList(values).__reduce__()
+    assert type(reduced[1][0]).__module__ == "numpy"
+    back = pickle.loads(pickle.dumps(TensorList(values)))
+    for have, want in zip(back, values):
+        assert have.dtype == dtype and have.shape == want.shape
+        assert torch.equal(have.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_a_read_only_array_is_copied_so_the_list_can_be_written():
+    flat, lengths, trailing = pack([torch.arange(3.0), torch.arange(2.0)])
+    array = flat.numpy().copy()
+    array.flags.writeable = False  # as Ray hands over an object store buffer
+    back = unpack_array(array, "float32", lengths, trailing)
+    back[0][0] = 7.0
+    assert back[0].tolist() == [7.0, 1.0, 2.0] and array[0] == 0.0
