@@ -136,8 +136,8 @@ def _fail_to_map(rank, world_size, name):
     host_collectives.uuid.uuid4 = lambda: uuid.UUID(name)  # the region's name, known to the test
     if rank == 1:
         def refuse(*args, **kwargs):
-            raise RuntimeError("unable to mmap")
-        torch.from_file = refuse
+            raise OSError("unable to mmap")
+        host_collectives.map_region = refuse
     return HostCollectives.open(dist.group.WORLD, timeout_s=60) is None
 
 

@@ -28,6 +28,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from rlmega.parallel.shm import create_region, map_region
+
 SLOT_BYTES = 1 << 20
 """The largest tensor that goes through shared memory (a layer's activations for 2,048 tokens at hidden 128
 are 1 MB); a larger one goes through gloo, where the copy, not the wake-ups, is the cost. A group of n ranks
@@ -93,14 +95,10 @@ class HostCollectives:
         region = None
         try:
             if path is not None and rank == 0:
-                with open(path, "wb") as file:
-                    file.truncate(total)
+                region = _region(create_region, path, total)
             dist.barrier(group=group)
-            if path is not None and supported(total) and os.path.exists(path):
-                try:
-                    region = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
-                except (OSError, RuntimeError):  # e.g. a /dev/shm without room for the mapping: gloo it is
-                    region = None
+            if path is not None and rank != 0 and supported(total):
+                region = _region(map_region, path, total)
             if region is not None:
                 _flags(region, size)[2][rank] = os.getpid()
             mapped = torch.tensor([int(region is not None)])
@@ -170,9 +168,9 @@ class HostCollectives:
                 os.sched_yield()
                 continue
             now = time.monotonic()
-            if now - checked > _PID_CHECK_S:
+            if self._watch_pids and now - checked > _PID_CHECK_S:
                 checked = now
-                gone = [rank for rank in late() if self._watch_pids and not _alive(self._pids[rank])]
+                gone = [rank for rank in late() if not _alive(self._pids[rank])]
                 if gone:
                     raise RuntimeError(f"collective {sequence} over a group of {self.size} ranks: group rank(s) "
                                        f"{gone} exited (pid {', '.join(str(self._pids[rank]) for rank in gone)})")
@@ -182,6 +180,14 @@ class HostCollectives:
                     f"within {self.timeout_s:.0f} s (stuck in other work)")
             pause = min(1e-3, pause * 2 or 2e-5)
             time.sleep(pause)
+
+
+def _region(make, path: str, nbytes: int) -> Optional[torch.Tensor]:
+    """``make(path, nbytes)``, or None where this process cannot (another /dev/shm, no room): gloo it is."""
+    try:
+        return make(path, nbytes)
+    except OSError:
+        return None
 
 
 def _flags(region: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

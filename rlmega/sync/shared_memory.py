@@ -17,13 +17,13 @@ the next, so a sync after the first creates nothing.
 from __future__ import annotations
 
 import dataclasses
-import mmap
 import os
 import secrets
 from typing import Iterator, Optional, Sequence
 
 import torch
 
+from rlmega.parallel.shm import create_region, map_region
 from rlmega.sync.buckets import ALIGN_BYTES, NamedTensors, layout, pack, unpack
 from rlmega.sync.control import Address, Channel, Kept, Watch, abort_stream, end_stream, forget_update, receive_kept
 from rlmega.sync.transports import DEFAULT_TIMEOUT_S, start_update
@@ -70,13 +70,7 @@ class RegionHandle:
             args = list(args)
             args[IPC_DEVICE_ARG] = local_device_index(self.device_uuid, visible)
             return rebuild(*args)
-        # Opened without O_CREAT: if the name is gone this fails, instead of mapping a fresh empty file.
-        fd = os.open(self.path, os.O_RDWR)
-        try:
-            mapping = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
-        return torch.frombuffer(mapping, dtype=torch.uint8)
+        return map_region(self.path, self.nbytes)
 
 
 class _Region:
@@ -95,16 +89,7 @@ class _Region:
                                        device_uuid=device_uuid(self.tensor.device.index))
             return
         self.path = os.path.join(directory, f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-            mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
-        except BaseException:
-            self.unlink()
-            raise
-        finally:
-            os.close(fd)
-        self.tensor = torch.frombuffer(mapping, dtype=torch.uint8)
+        self.tensor = create_region(self.path, nbytes)
         self.handle = RegionHandle(generation, nbytes, path=self.path)
 
     @property
