@@ -15,13 +15,15 @@ Runs, each in a fresh process:
                  (TRL turns it on by default; rlmega recomputes nothing by default).
   rlmega 1 rank  rlmega train --config tiny_cpu, layout.world_size=1 layout.tp=1, colocated: in one process
                  (cluster.in_process=auto picks it: the rank and the engine live in the driver, without Ray)
-  rlmega TP2     the same at layout.world_size=2 layout.tp=2: two rank actors and an engine actor on Ray
+  rlmega TP2     the same at layout.world_size=2 layout.tp=2, also without Ray: rank 0 and the engine in the
+                 driver, rank 1 a child process of it (rlmega/trainer/local_ranks.py)
 rlmega's old log-probs come from the update's own forward pass (trainer.fuse_old_logprob, on by
 default) and the post-sync check runs after the first sync and every --check-every-th.
 
 Threads (--threads, default 2): TRL's process gets that many (OMP_NUM_THREADS and
 torch.set_num_threads); rlmega's engine gets them too (rollout.cpus_per_engine), and its training
-ranks share them (1 rank: all of them; TP2: one each).
+ranks share them (1 rank: all of them; TP2: one each). --on-ray adds the TP2 run on Ray
+(cluster.in_process=never: two rank actors and an engine actor) for comparison.
 
 Step time: median over the steps after the first --skip (warm-up). TRL's from a TrainerCallback's
 on_step_end wall times; rlmega's from timing_s/step in run_dir/metrics.jsonl. TRL's phases come
@@ -70,6 +72,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2, help="CPU threads each framework may use (default 2)")
     parser.add_argument("--check-every", type=int, default=10,
                         help="rlmega's sync.check_every: post-sync check after every k-th sync (default 10)")
+    parser.add_argument("--on-ray", action="store_true",
+                        help="also run rlmega at TP2 on Ray (cluster.in_process=never), for comparison")
     parser.add_argument("--work-dir", default=None,
                         help="keep the assets, logs, run directories and TRL's step record here (default: a "
                              "temporary directory, removed afterwards)")
@@ -99,7 +103,7 @@ def main() -> int:
             if "trl" in frameworks:
                 results.append(run_trl(work, assets, args))
             if "rlmega" in frameworks:
-                for label, layout in (("1 rank", dict(world_size=1, tp=1)), ("TP2", dict(world_size=2, tp=2))):
+                for label, layout in rlmega_configs(args):
                     results.append(run_rlmega(work, assets, args, label, layout))
             rounds.append(results)
     print_report(rounds, args)
@@ -205,6 +209,15 @@ def trl_child(assets: Path, result_path: Path, num_steps: int, threads: int) -> 
 
 # ---- rlmega ------------------------------------------------------------------------------------
 
+def rlmega_configs(args: argparse.Namespace) -> list[tuple[str, dict]]:
+    """(label, layout) of each rlmega run of a round."""
+    configs = [("1 rank", dict(world_size=1, tp=1, in_process="auto")),
+               ("TP2", dict(world_size=2, tp=2, in_process="auto"))]
+    if args.on_ray:
+        configs.append(("TP2 on Ray", dict(world_size=2, tp=2, in_process="never")))
+    return configs
+
+
 def rlmega_overrides(run_dir: Path, assets: Path, args: argparse.Namespace, layout: dict) -> list[str]:
     """The overrides of ``rlmega train --config tiny_cpu`` for this job (check with --print-config)."""
     threads = args.threads
@@ -213,6 +226,7 @@ def rlmega_overrides(run_dir: Path, assets: Path, args: argparse.Namespace, layo
         f"model.path={assets / 'model'}", f"data.files=['{assets / 'train.parquet'}']",
         f"val_data.files=['{assets / 'val.parquet'}']",
         f"layout.world_size={layout['world_size']}", f"layout.tp={layout['tp']}",
+        f"cluster.in_process={layout['in_process']}",
         f"cluster.cpus_per_rank={max(1, threads // layout['world_size'])}", f"rollout.cpus_per_engine={threads}",
         f"trainer.total_steps={args.steps}", f"trainer.prompts_per_step={PROMPTS_PER_STEP}",
         f"trainer.seed={SEED}", "trainer.sft_steps=0", "trainer.val_every=0", "trainer.save_every=0",
@@ -224,7 +238,7 @@ def rlmega_overrides(run_dir: Path, assets: Path, args: argparse.Namespace, layo
 
 
 def run_rlmega(work: Path, assets: Path, args: argparse.Namespace, label: str, layout: dict) -> dict:
-    name = f"rlmega_{layout['world_size']}x{layout['tp']}"
+    name = f"rlmega_{layout['world_size']}x{layout['tp']}" + ("_ray" if layout["in_process"] == "never" else "")
     run_dir = work / name
     command = [sys.executable, "-m", "rlmega.cli.main", "train", "--config", "tiny_cpu",
                *rlmega_overrides(run_dir, assets, args, layout)]

@@ -3,7 +3,8 @@
 Runs `rlmega train --config tiny_cpu` (the quickstart config: warm-start, validation, checkpoints as it ships)
 for `--steps` RL steps and, every `--every` steps (when that step's metrics row appears), samples the resident
 memory of every process of the run (the driver and everything below it: the guardian, reward workers, Ray's GCS,
-raylet and agents, the training ranks, the engine and what they started) and the space used in /dev/shm. It
+raylet and agents, the training ranks, the engine and what they started; without Ray, the default on one machine
+since 2026-12-03, rank 0 and the engine are the driver and rank 1 its child) and the space used in /dev/shm. It
 prints the samples, grouped by kind of process, then each kind's growth from the first sample at or after
 `--from-step` to the last (target: <= 5 %) and its trend (the least-squares slope from there, per 100 steps).
 Each sample's total is printed as it is taken; Ctrl-C stops the run early and reports what was sampled.
@@ -26,6 +27,7 @@ from pathlib import Path
 TARGET_GROWTH = 0.05
 KINDS = (  # (kind, what its command line contains), the first match wins
     ("training rank", "ray::RankProcess"),
+    ("training rank", "rlmega.trainer.local_ranks"),  # ranks 1..N-1 of a run without Ray (rank 0 is the driver)
     ("engine", "ray::HFEngine"),
     ("reward worker", "rlmega.rewards._worker"),
     ("guardian", "rlmega.launch.guardian"),

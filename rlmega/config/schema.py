@@ -325,9 +325,9 @@ class ClusterConfig:
     timeout_s: float = 600.0
     """Longest wait for any remote call before the run stops naming the worker."""
     in_process: str = choice("auto", "always", "never")
-    """Run the training rank and the rollout engine in the driver's process, without Ray
-    (``rlmega/trainer/in_process.py``): one training rank, one colocated hf engine on CPU, synchronous rollout,
-    no reward-model ranks or judge engines, no cluster to join. auto: whenever the run is such a run;
+    """Run without Ray (``rlmega/trainer/in_process.py``): training rank 0 and the rollout engine in the driver's
+    process, ranks 1..N-1 as its child processes; one colocated hf engine on CPU, synchronous rollout, no
+    reward-model ranks or judge engines, no cluster to join. auto: whenever the run is such a run;
     always: refuse one that is not, naming why; never: Ray actors always."""
 
 

@@ -1,20 +1,22 @@
-"""A run in one process (``cluster.in_process``): the training rank and the rollout engine live in the
-driver's process, without Ray, as a single-process trainer does.
+"""A run in one process (``cluster.in_process``): training rank 0 and the rollout engine live in the driver's
+process, without Ray, as a single-process trainer does; ranks 1..N-1 of a tensor- (or otherwise) parallel layout
+are the driver's child processes (``rlmega.trainer.local_ranks``).
 
-A one-rank run with a colocated transformers engine has nothing to place and no one to talk to, yet on Ray
-every step pays for process boundaries: the generate call and its answers, the batch sent to the rank and
-the log-probs sent back, the weight sync from the rank's process into the engine's, the version check. On a
-small model those cost more than the arithmetic (``benchmarks/peer_trl.py``). Here the same parts are called
-directly: ``InProcessRanks`` has ``TrainingRanks``' interface over one ``RankProcess`` object, so the role
-groups of ``rlmega.trainer.roles`` work unchanged, and ``InProcessEngines`` has ``RolloutGroup``'s over one
-engine object, into which the rank syncs weights by the ``in_process`` transport.
+A run on one machine with a colocated transformers engine has nothing to place, yet on Ray every step pays for
+process boundaries: the generate call and its answers, the batch sent to each rank and the log-probs sent back,
+the weight sync from rank 0's process into the engine's, the version check. On a small model those cost more
+than the arithmetic (``benchmarks/peer_trl.py``). Here the same parts are called directly: ``InProcessRanks`` has
+``TrainingRanks``' interface over rank 0's ``RankProcess`` object and the child ranks, so the role groups of
+``rlmega.trainer.roles`` work unchanged, and ``InProcessEngines`` has ``RolloutGroup``'s over one engine object,
+into which rank 0 syncs weights by the ``in_process`` transport.
 
 Every call runs on the driver's own thread. A thread of their own would cost more than it keeps apart: torch's
 OpenMP keeps a team of worker threads per calling thread, and once the teams hold more threads than the
 machine has cores, every parallel region wakes its sleeping workers (measured: the step took 1.5-2x as long).
-On a machine without CUDA the rank's calls hold the CPU platform's redirect for Megatron
+Rank 0 computes with ``rank_threads`` threads, the engine with ``in_process_threads`` (the child ranks are idle
+while it generates). On a machine without CUDA rank 0's calls hold the CPU platform's redirect for Megatron
 (``rlmega.parallel.cpu_platform.redirected``) and nothing else does: the engine's and the trainer's own torch
-calls never need it and would pay for it on every op. What the rank and the engine print goes to the run's
+calls never need it and would pay for it on every op. What rank 0 and the engine print goes to the run's
 ``logs/workers/in-process.log``, as a worker process's would go to its log; an exception they raise becomes the
 ``WorkerFailure`` a worker's would.
 """
@@ -31,7 +33,7 @@ from rlmega.config.schema import RLConfig
 from rlmega.rollout.protocol import Generation, SamplingParams
 from rlmega.trainer.remote import WorkerFailure
 from rlmega.trainer.training_group import RankCalls, RankProcess
-from rlmega.trainer.worker_logs import log_path, output_to
+from rlmega.trainer.worker_logs import LOG_ENV, log_path, output_to
 
 RANK_NAME = "training rank 0"
 ENGINE_NAME = "rollout engine 0"
@@ -41,8 +43,6 @@ def in_process_obstacles(config: RLConfig) -> list[str]:
     """What keeps ``config`` from running in one process (empty: nothing)."""
     rollout = config.rollout
     obstacles = []
-    if config.layout.world_size != 1:
-        obstacles.append(f"layout.world_size={config.layout.world_size} (one training rank only)")
     if rollout.backend != "hf":
         obstacles.append(f"rollout.backend={rollout.backend} (the transformers engine only)")
     if rollout.num_engines != 1:
@@ -68,12 +68,37 @@ def runs_in_process(config: RLConfig) -> bool:
         config.cluster.in_process == "auto" and not in_process_obstacles(config))
 
 
+def rank_threads(config: RLConfig) -> int:
+    """torch's threads for each training rank of a run in one process: alone, the rank computes only while the
+    engine does not, and takes what both would hold on Ray (``in_process_threads``); with others, its own
+    ``cluster.cpus_per_rank``, as they all compute at once."""
+    if config.layout.world_size == 1:
+        return in_process_threads(config)
+    return max(1, int(config.cluster.cpus_per_rank))
+
+
 def in_process_threads(config: RLConfig) -> int:
     """torch's threads in a run in one process: what the colocated rank and engine would hold together on Ray
     (``cluster.cpus_per_rank + rollout.cpus_per_engine``), since only one of them computes at a time, and no
     more than the machine has."""
     wanted = math.floor(config.cluster.cpus_per_rank + config.rollout.cpus_per_engine)
     return max(1, min(wanted, os.cpu_count() or 1))
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int):
+    """torch's thread count ``threads`` for the block (the engine generates with the cores the other ranks, idle
+    meanwhile, hold while training), as it was afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    if before != threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if before != threads:
+            torch.set_num_threads(before)
 
 
 class WorkerOutput:
@@ -116,44 +141,83 @@ class _RankHandle:
 
 
 class InProcessRanks(RankCalls):
-    """``TrainingRanks``' interface over the one training rank of a run in one process."""
+    """``TrainingRanks``' interface over the training ranks of a run in one process: rank 0 in this process,
+    ranks 1..N-1 (if any) as its child processes (``rlmega.trainer.local_ranks``)."""
 
     def __init__(self, config: RLConfig, output: WorkerOutput, total_steps: int):
-        self.names = [RANK_NAME]
-        self.nodes = [{"rank": 0, "ip": "127.0.0.1", "node_id": "in_process"}]
+        from rlmega.trainer.local_ranks import RankChild
+        from rlmega.trainer.worker_logs import actor_env
+
+        world = config.layout.world_size
+        self.timeout_s = config.cluster.timeout_s
+        self.names = [RANK_NAME] + [f"training rank {rank}" for rank in range(1, world)]
+        self.nodes = [{"rank": rank, "ip": "127.0.0.1", "node_id": "in_process"} for rank in range(world)]
         self._output = output
-        self._process = RankProcess(0, 1)
-        self._handle = _RankHandle(self._process)
-        self.each(lambda rank: rank.setup_alone.remote(config, total_steps, in_process_threads(config)), "setup")
+        threads = rank_threads(config)
+        self._children = [RankChild(rank, world, self.names[rank], actor_env(config.run_dir, self.names[rank])[LOG_ENV],
+                                    threads, stays_here=(InProcessEngine,)) for rank in range(1, world)]
+        try:
+            self._process = RankProcess(0, world)
+            self._handle = _RankHandle(self._process)
+            master = ("127.0.0.1", self._process.listen("127.0.0.1"))
+            self.each(lambda rank: rank.setup.remote(master, config, total_steps, threads), "setup",
+                      timeout_s=max(self.timeout_s, 600.0))
+        except BaseException:
+            self._stop_children()
+            raise
 
     def each(self, call: Callable[[Any], Any], what: str, timeout_s: Optional[float] = None) -> list:
-        """``call(rank_handle)`` on the one rank; its answer, in a list (``TrainingRanks.each``)."""
+        """``call(rank_handle)`` on every rank: sent to the children first, then made on rank 0 here; the answers
+        in rank order (``TrainingRanks.each``). A child's failure is reported before rank 0's, as its cause."""
         from rlmega.parallel.cpu_platform import redirected
 
-        with self._output.of(RANK_NAME, what), redirected():
-            return [call(self._handle)]
+        for child in self._children:
+            call(child.handle)
+        try:
+            with self._output.of(RANK_NAME, what), redirected():
+                mine = call(self._handle)
+        except WorkerFailure as failure:
+            for child in self._children:
+                cause = child.failed(what)
+                if cause is not None:
+                    raise cause from failure
+            raise
+        return [mine, *(child.answer(what, timeout_s or self.timeout_s) for child in self._children)]
 
     def shutdown(self) -> None:
-        """Leave the process group; the log closes with it (the engines are shut down before)."""
+        """Leave the process group; the children exit after it (one that fails to, or has died with the run's
+        error, is stopped without a word: the error was reported); the log closes with it (the engines are shut
+        down before)."""
+        from rlmega.parallel.cpu_platform import redirected
+
         try:
-            self.each(lambda rank: rank.shutdown.remote(), "shutdown")
+            for child in self._children:
+                child.handle.shutdown.remote()
+            with self._output.of(RANK_NAME, "shutdown"), redirected():
+                self._handle.shutdown.remote()
         finally:
+            self._stop_children()
             self._output.close()
+
+    def _stop_children(self) -> None:
+        for child in self._children:
+            child.stop()
 
 
 class InProcessEngine:
     """``RolloutEngine`` over an engine object of this process whose calls never hold the CPU platform's redirect,
     also when a rank's call makes them (the weight sync's post-sync check)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, threads: int):
         self.engine = engine
+        self.threads = threads
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | Sequence[SamplingParams],
                  images=None) -> list[Generation]:
         from rlmega.parallel.cpu_platform import suspended
 
         extra = {} if images is None else {"images": images}
-        with suspended():
+        with suspended(), torch_threads(self.threads):
             return self.engine.generate(prompts, params, **extra)
 
     def update_weights(self, named_tensors, version: int) -> None:
@@ -194,7 +258,7 @@ class InProcessEngines:
         self.nodes = [{"engine": 0, "node_id": "in_process", "ip": "127.0.0.1"}]
         self._output = output
         with output.of(ENGINE_NAME, "starting engines"):
-            self.engines = [InProcessEngine(engine_class(config.model.path, **arguments))]
+            self.engines = [InProcessEngine(engine_class(config.model.path, **arguments), in_process_threads(config))]
 
     @property
     def num_engines(self) -> int:

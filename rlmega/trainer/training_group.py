@@ -41,10 +41,10 @@ class RankProcess:
         import ray
 
         ip = ray.util.get_node_ip_address()
-        port = self._listen(ip) if self.rank == 0 else 0
+        port = self.listen(ip) if self.rank == 0 else 0
         return ip, port, ray.get_runtime_context().get_node_id()
 
-    def _listen(self, ip: str) -> int:
+    def listen(self, ip: str) -> int:
         """Rank 0: start the group's store on ``ip`` and return its port. The store binds its port now and holds
         it: a port found free and bound only at set-up could be taken in between by another process (seen
         under load: EADDRINUSE)."""
@@ -73,10 +73,6 @@ class RankProcess:
             self.workers[name] = MegatronWorker(self.spec, self.layout, worker_config, hf_dir=config.model.path,
                                                 total_steps=total_steps)
 
-    def setup_alone(self, config: RLConfig, total_steps: int, cpus: float) -> None:
-        """``setup`` for a world of this one rank, in a run in one process (``rlmega.trainer.in_process``)."""
-        self.setup(("127.0.0.1", self._listen("127.0.0.1")), config, total_steps, cpus)
-
     def setup_reward_model(self, master: tuple[str, int], config: RLConfig) -> None:
         """This rank of the reward model's own world: its layout, and the reward worker loaded from
         ``reward_model.path`` (a sequence-classification checkpoint) through the bridge."""
@@ -98,7 +94,7 @@ class RankProcess:
 
         torch.set_num_threads(max(1, int(cpus)))
         timeout = datetime.timedelta(seconds=config.cluster.timeout_s)
-        store = getattr(self, "_store", None)  # rank 0's, from address()
+        store = getattr(self, "_store", None)  # rank 0's, from listen()
         if store is None:
             store = dist.TCPStore(master[0], master[1], self.world_size, is_master=False, timeout=timeout)
         store.set_timeout(timeout)

@@ -20,9 +20,10 @@ sys.path.insert(0, str(HERE.parent / "launch"))  # launch_helpers
 from launch_helpers import descendants, launch_env  # noqa: E402
 from trainer.test_trainer_runs import TINY, _comparable, _rows  # noqa: E402,F401
 
-# On Ray: these tests kill and watch its processes (rank and engine actors, the guardian), which a one-rank run would
-# not start by default (it runs in one process: cluster.in_process).
-ONE_RANK = ["layout.tp=1", "layout.world_size=1", "cluster.in_process=never"]
+# A run on the tiny config goes without Ray by default (cluster.in_process); ``Run`` starts it on Ray
+# (``cluster.in_process=never``) unless a test says otherwise: most of these tests kill and watch Ray's processes (rank
+# and engine actors, the guardian).
+ONE_RANK = ["layout.tp=1", "layout.world_size=1"]
 POLL_S = 0.005
 
 
@@ -53,6 +54,8 @@ class Run:
         self.run_dir = run_dir
         self.log = run_dir.parent / f"{name}.log"
         self.started = time.time()
+        if not any(override.startswith("cluster.in_process=") for override in overrides):
+            overrides = (*overrides, "cluster.in_process=never")  # Ray's processes, unless a test asks otherwise
         command = [sys.executable, "-m", "rlmega.cli.main", "train", f"run_dir={run_dir}", *TINY, *overrides]
         with open(self.log, "w") as log:
             # A session of its own: a kill of the driver's process group by the test would hide what the

@@ -59,7 +59,8 @@ def recorder(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
 def test_engines_start_before_the_ranks_set_up_and_are_awaited_after(recorder, tmp_path, placement):
-    config = load_config("tiny_cpu", [f"run_dir={tmp_path}", f"rollout.placement={placement}"], check=False)
+    config = load_config("tiny_cpu", [f"run_dir={tmp_path}", f"rollout.placement={placement}", "cluster.in_process=never"],
+                         check=False)
     training, rollout, placement_info = cluster.start_workers(config)
     assert recorder.calls == ["engines: start (wait=False)", "ranks: start and set up", "engines: wait started"]
     assert placement_info["engines"] == [{"engine": 0}] and placement_info["training_ranks"] == [{"rank": 0}]
@@ -69,14 +70,14 @@ def test_engines_start_before_the_ranks_set_up_and_are_awaited_after(recorder, t
                                              ("engines", ["engines: shutdown", "ranks: shutdown"])])
 def test_a_failed_start_stops_what_was_started(recorder, tmp_path, fail_in, stopped):
     recorder.fail_in = fail_in
-    config = load_config("tiny_cpu", [f"run_dir={tmp_path}"], check=False)
+    config = load_config("tiny_cpu", [f"run_dir={tmp_path}", "cluster.in_process=never"], check=False)
     with pytest.raises(RuntimeError, match="died"):
         cluster.start_workers(config)
     assert recorder.calls[-len(stopped):] == stopped
 
 
 def test_without_rollout_no_engine_starts(recorder, tmp_path):
-    config = load_config("tiny_cpu", [f"run_dir={tmp_path}"], check=False)
+    config = load_config("tiny_cpu", [f"run_dir={tmp_path}", "cluster.in_process=never"], check=False)
     training, rollout, _ = cluster.start_workers(config, with_rollout=False)
     assert rollout is None and recorder.calls == ["ranks: start and set up"]
 

@@ -9,7 +9,7 @@ import pytest
 
 from rlmega.config import load_config
 from rlmega.errors import UserError
-from rlmega.trainer.in_process import in_process_obstacles, in_process_threads, runs_in_process
+from rlmega.trainer.in_process import in_process_obstacles, in_process_threads, rank_threads, runs_in_process
 
 ONE_RANK = ["trainer.prompts_per_step=4", "rollout.n=4", "trainer.sft_steps=2", "trainer.val_every=0",
             "trainer.save_every=0", "export_hf=false", "reward.num_workers=1", "layout.tp=1", "layout.world_size=1"]
@@ -30,7 +30,10 @@ def test_which_runs_go_in_one_process(tmp_path, assets, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert runs_in_process(_config(tmp_path, assets))
     assert not runs_in_process(_config(tmp_path, assets, "cluster.in_process=never"))
-    for override, named in [("layout.world_size=2", "layout.world_size=2"), ("rollout.num_engines=2", "num_engines"),
+    # Ranks 1..N-1 are the driver's children, each with its own cpus_per_rank threads.
+    tp2 = _config(tmp_path, assets, "layout.world_size=2", "layout.tp=2", "cluster.cpus_per_rank=1")
+    assert runs_in_process(tp2) and rank_threads(tp2) == 1
+    for override, named in [("rollout.num_engines=2", "num_engines"),
                             ("rollout.placement=disaggregated", "placement"), ("cluster.gpus_per_rank=1", "GPUs"),
                             ("cluster.ray_address=auto", "Ray cluster")]:
         config = _config(tmp_path, assets, override, check=False)
@@ -42,9 +45,9 @@ def test_which_runs_go_in_one_process(tmp_path, assets, monkeypatch):
 
 
 def test_always_refuses_a_run_that_cannot_run_in_one_process(tmp_path, assets):
-    with pytest.raises(UserError, match=r"cluster.in_process: always, .*layout.world_size=2 .*rollout.placement="
+    with pytest.raises(UserError, match=r"cluster.in_process: always, .*rollout.num_engines=2 .*rollout.placement="
                                         r"disaggregated .*cluster.in_process=auto"):
-        _config(tmp_path, assets, "cluster.in_process=always", "layout.world_size=2", "rollout.placement=disaggregated")
+        _config(tmp_path, assets, "cluster.in_process=always", "rollout.num_engines=2", "rollout.placement=disaggregated")
 
 
 def _train(run_dir, assets, *overrides):
@@ -58,10 +61,13 @@ def _rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_run_in_one_process_equals_the_same_run_on_ray(tmp_path, assets):
+@pytest.mark.parametrize("layout", [[], ["layout.world_size=2", "layout.tp=2"]], ids=["one-rank", "tp2"])
+def test_a_run_in_one_process_equals_the_same_run_on_ray(tmp_path, assets, layout):
     # One thread for every part on both sides (0.5 + 0.5 CPUs in one process), so that sums add up in the same order.
+    # At TP2, rank 1 is the driver's child process, and the ranks' collectives and the export's gathers run between
+    # the processes as between Ray's actors.
     same = ["trainer.total_steps=3", "cluster.cpus_per_rank=0.5", "rollout.cpus_per_engine=0.5", "sync.check_every=2",
-            "algo=grpo", "trainer.val_every=2", "trainer.val_prompts=8", "trainer.save_every=2"]
+            "algo=grpo", "trainer.val_every=2", "trainer.val_prompts=8", "trainer.save_every=2", *layout]
     alone, on_ray = (_train(tmp_path / name, assets, *same, f"cluster.in_process={mode}")
                      for name, mode in (("alone", "always"), ("on_ray", "never")))
     assert alone.returncode == 0 and on_ray.returncode == 0, alone.stderr[-3000:] + on_ray.stderr[-3000:]
@@ -91,6 +97,17 @@ def test_the_console_stays_the_drivers_and_a_failing_part_is_named_on_one_line(t
     logs = run_dir / "logs" / "workers"
     assert sorted(p.name for p in logs.iterdir()) == ["in-process.log"]
     assert "Transformer Engine and Apex are not installed" in (logs / "in-process.log").read_text()
+
+    # At TP2 rank 1 is a child process of the driver's, with a log of its own.
+    tp2 = _train(tmp_path / "tp2", assets, "trainer.total_steps=1", "layout.world_size=2", "layout.tp=2",
+                 "cluster.cpus_per_rank=1")
+    assert tp2.returncode == 0, tp2.stderr[-3000:]
+    console = tp2.stdout + tp2.stderr
+    for noise in ("Warning", "Transformer Engine", "Loading weights", "INFO", "WARNING"):
+        assert noise not in console, console[-3000:]
+    logs = tmp_path / "tp2" / "logs" / "workers"
+    assert sorted(p.name for p in logs.iterdir()) == ["in-process.log", "training-rank-1.log"]
+    assert "Transformer Engine and Apex are not installed" in (logs / "training-rank-1.log").read_text()
 
     # An engine that cannot start: the one line names it and what it was doing; the traceback is in the logs.
     broken = _train(tmp_path / "broken", assets, "trainer.total_steps=1", "cluster.in_process=always",
