@@ -25,6 +25,7 @@ import time
 import uuid
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -37,7 +38,10 @@ maps 2n slots (4 MB for two ranks), and only where /dev/shm has twice that free 
 
 _LINE = 64  # a cache line: no two ranks' flags share one, nor do two slots
 _COMBINE = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.MAX: torch.maximum, dist.ReduceOp.MIN: torch.minimum}
-_SPINS = 200  # waits that only yield the core before the first sleep (a punctual peer is a few microseconds away)
+_SPIN_S = 0.005
+"""How long a wait only yields the core before its first sleep. In an update one rank often reaches a collective a
+millisecond or two before the other (their work is not split evenly), and a sleeping waiter oversleeps by up to its
+last pause; yielding lets any other runnable thread have the core meanwhile."""
 _FLAG_ARRAYS = 3  # arrived, done, pid
 _PID_CHECK_S = 0.2  # how often a waiting rank looks whether a late peer's process still exists
 
@@ -72,14 +76,17 @@ class HostCollectives:
         self.timeout_s = timeout_s
         self.slot_bytes = slot_bytes
         self._region = region
-        # The last collective each rank has entered, the last one it has finished reading, and its process.
-        self._arrived, self._done, pids = _flags(region, self.size)
+        # The last collective each rank has entered, the last one it has finished reading, and its process: numpy
+        # views, because every torch call here also passes through the CPU platform's torch-function mode, and the
+        # flags are read in a loop (as torch tensors a two-rank all-reduce of one number took 130 us, not 15).
+        self._arrived, self._done, pids = _flags(region.numpy(), self.size)
         self._pids = pids.tolist()
         # Whether a peer that is late can be told from one that is gone (its process visible from here).
         self._watch_pids = all(_alive(pid) for pid in self._pids)
         slots = region[_FLAG_ARRAYS * self.size * _LINE:]
         self._slots = [[slots[(parity * self.size + rank) * slot_bytes:][:slot_bytes] for rank in range(self.size)]
                        for parity in range(2)]
+        self._views: dict = {}  # (parity, dtype, shape) -> every rank's slot as a tensor of that kind
         self._sequence = 0
 
     @classmethod
@@ -100,7 +107,7 @@ class HostCollectives:
             if path is not None and rank != 0 and supported(total):
                 region = _region(map_region, path, total)
             if region is not None:
-                _flags(region, size)[2][rank] = os.getpid()
+                _flags(region.numpy(), size)[2][rank] = os.getpid()
             mapped = torch.tensor([int(region is not None)])
             dist.all_reduce(mapped, op=dist.ReduceOp.MIN, group=group)  # also: every rank has mapped it, pid in
         finally:
@@ -116,10 +123,10 @@ class HostCollectives:
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
         """Reduce ``tensor`` in place over the group; every rank gets the same values."""
         parity, sequence = self._enter()
-        self._slot(parity, self.rank, tensor).copy_(tensor)
+        slots = self._slots_like(parity, tensor)
+        slots[self.rank].copy_(tensor)
         self._arrived[self.rank] = sequence
         self._wait(self._arrived, sequence, range(self.size))
-        slots = [self._slot(parity, rank, tensor) for rank in range(self.size)]
         combine = _COMBINE[op]
         if self.size == 2:
             combine(slots[0], slots[1], out=tensor)
@@ -133,12 +140,13 @@ class HostCollectives:
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """``tensor`` of group rank ``src`` into ``tensor`` on every rank."""
         parity, sequence = self._enter()
+        slot = self._slots_like(parity, tensor)[src]
         if self.rank == src:
-            self._slot(parity, src, tensor).copy_(tensor)
+            slot.copy_(tensor)
         self._arrived[self.rank] = sequence
         if self.rank != src:
             self._wait(self._arrived, sequence, (src,))
-            tensor.copy_(self._slot(parity, src, tensor))
+            tensor.copy_(slot)
         self._done[self.rank] = sequence
 
     def _enter(self) -> tuple[int, int]:
@@ -147,27 +155,32 @@ class HostCollectives:
         self._wait(self._done, self._sequence - 2, range(self.size))
         return self._sequence % 2, self._sequence
 
-    def _slot(self, parity: int, rank: int, like: torch.Tensor) -> torch.Tensor:
-        nbytes = like.numel() * like.element_size()
-        return self._slots[parity][rank][:nbytes].view(like.dtype).view(like.shape)
+    def _slots_like(self, parity: int, like: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's slot of set ``parity`` as a tensor of ``like``'s dtype and shape (made once per kind: an
+        update repeats a handful of shapes)."""
+        key = (parity, like.dtype, like.shape)
+        views = self._views.get(key)
+        if views is None:
+            nbytes = like.numel() * like.element_size()
+            views = self._views[key] = [slot[:nbytes].view(like.dtype).view(like.shape) for slot in self._slots[parity]]
+        return views
 
     def _wait(self, flags: torch.Tensor, sequence: int, ranks) -> None:
         """Until the flags of ``ranks`` reach ``sequence``: yielding the core at first, then sleeping a little
         longer each time, so a punctual peer costs microseconds and a late one keeps no core busy."""
         def late() -> list[int]:
-            return [rank for rank in ranks if int(flags[rank]) < sequence]
+            return [rank for rank in ranks if flags[rank] < sequence]
 
         if sequence <= 0 or not late():
             return
         start = time.monotonic()
-        checked = start
-        pause, spins = 0.0, 0
+        checked, spin_until = start, start + _SPIN_S
+        pause = 0.0
         while late():
-            spins += 1
-            if spins < _SPINS:
+            now = time.monotonic()
+            if now < spin_until:
                 os.sched_yield()
                 continue
-            now = time.monotonic()
             if self._watch_pids and now - checked > _PID_CHECK_S:
                 checked = now
                 gone = [rank for rank in late() if not _alive(self._pids[rank])]
@@ -190,9 +203,9 @@ def _region(make, path: str, nbytes: int) -> Optional[torch.Tensor]:
         return None
 
 
-def _flags(region: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _flags(region: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The region's arrived, done and pid arrays: one int64 per rank each, every entry on a line of its own."""
-    flags = region[: _FLAG_ARRAYS * size * _LINE].view(torch.int64)
+    flags = region[: _FLAG_ARRAYS * size * _LINE].view(np.int64)
     stride = _LINE // 8
     return tuple(flags[index * size * stride: (index + 1) * size * stride: stride] for index in range(_FLAG_ARRAYS))
 
