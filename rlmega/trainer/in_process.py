@@ -153,6 +153,7 @@ class InProcessRanks(RankCalls):
         self.names = [RANK_NAME] + [f"training rank {rank}" for rank in range(1, world)]
         self.nodes = [{"rank": rank, "ip": "127.0.0.1", "node_id": "in_process"} for rank in range(world)]
         self._output = output
+        self._failed = False
         threads = rank_threads(config)
         self._children = [RankChild(rank, world, self.names[rank], actor_env(config.run_dir, self.names[rank])[LOG_ENV],
                                     threads, stays_here=(InProcessEngine,)) for rank in range(1, world)]
@@ -163,7 +164,7 @@ class InProcessRanks(RankCalls):
             self.each(lambda rank: rank.setup.remote(master, config, total_steps, threads), "setup",
                       timeout_s=max(self.timeout_s, 600.0))
         except BaseException:
-            self._stop_children()
+            self._stop_children(grace_s=0.0)
             raise
 
     def each(self, call: Callable[[Any], Any], what: str, timeout_s: Optional[float] = None) -> list:
@@ -174,21 +175,26 @@ class InProcessRanks(RankCalls):
         for child in self._children:
             call(child.handle)
         try:
-            with self._output.of(RANK_NAME, what), redirected():
-                mine = call(self._handle)
-        except WorkerFailure as failure:
-            for child in self._children:
-                cause = child.failed(what)
-                if cause is not None:
-                    raise cause from failure
+            try:
+                with self._output.of(RANK_NAME, what), redirected():
+                    mine = call(self._handle)
+            except WorkerFailure as failure:
+                for child in self._children:
+                    cause = child.failed(what)
+                    if cause is not None:
+                        raise cause from failure
+                raise
+            return [mine, *(child.answer(what, timeout_s or self.timeout_s) for child in self._children)]
+        except WorkerFailure:
+            self._failed = True  # a child may be left in a collective: shutdown does not wait long for it
             raise
-        return [mine, *(child.answer(what, timeout_s or self.timeout_s) for child in self._children)]
 
     def shutdown(self) -> None:
         """Leave the process group; the children exit after it (one that fails to, or has died with the run's
         error, is stopped without a word: the error was reported); the log closes with it (the engines are shut
         down before)."""
         from rlmega.parallel.cpu_platform import redirected
+        from rlmega.trainer.local_ranks import SHUTDOWN_GRACE_S
 
         try:
             for child in self._children:
@@ -196,12 +202,12 @@ class InProcessRanks(RankCalls):
             with self._output.of(RANK_NAME, "shutdown"), redirected():
                 self._handle.shutdown.remote()
         finally:
-            self._stop_children()
+            self._stop_children(grace_s=1.0 if self._failed else SHUTDOWN_GRACE_S)
             self._output.close()
 
-    def _stop_children(self) -> None:
+    def _stop_children(self, grace_s: float) -> None:
         for child in self._children:
-            child.stop()
+            child.stop(grace_s)
 
 
 class InProcessEngine:

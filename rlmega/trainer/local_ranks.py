@@ -46,7 +46,8 @@ _POLL_S = 0.2
 """How often a wait on a child's answer checks that the child is alive."""
 _EXIT_GRACE_S = 2.0
 """After rank 0 failed: how long to wait for a child's report, which would name the cause."""
-_JOIN_S = 10.0
+SHUTDOWN_GRACE_S = 10.0
+"""How long a child may take to leave its process group and exit after a shutdown."""
 
 
 class _CallPickler(pickle.Pickler):
@@ -149,13 +150,13 @@ class RankChild:
                f"exit code {code}" if code is not None else "its pipe closed")
         return WorkerFailure(f"{what}: {self.name} died ({how}); its output is in {self.log}")
 
-    def stop(self) -> None:
-        """Wait for the child to exit after its last call; kill it if it does not."""
+    def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+        """Wait up to ``grace_s`` for the child to exit after its last call; kill it if it does not."""
         try:
-            self.process.wait(timeout=_JOIN_S)
+            self.process.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            self.process.wait(timeout=_JOIN_S)
+            self.process.wait(timeout=SHUTDOWN_GRACE_S)
         self._conn.close()
 
 
