@@ -26,6 +26,7 @@ processes were not started by the driver) are in neither record. Linux only (``/
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import select
@@ -74,6 +75,18 @@ def _guardian_env() -> dict[str, str]:
     package_root = str(Path(rlmega.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     return env
+
+
+PR_SET_PDEATHSIG = 1  # Linux prctl: the signal a process gets when its parent exits
+
+
+def signal_when_parent_dies(signum: int) -> None:
+    """In a child process: have the kernel send it ``signum`` when its parent dies, even by SIGKILL (Linux; nothing
+    elsewhere). It fires when the parent's *thread* that started the child exits."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signum)
+    except (OSError, AttributeError):
+        pass
 
 
 def _stat(pid: int) -> Optional[tuple[int, int]]:

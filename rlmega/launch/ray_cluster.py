@@ -16,7 +16,6 @@ the torchrun bootstrap imports it.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import fcntl
 import json
 import os
@@ -32,8 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from rlmega.launch.guardian import signal_when_parent_dies
+
 SIOCGIFADDR = 0x8915  # Linux ioctl: the IPv4 address of a network interface
-PR_SET_PDEATHSIG = 1  # Linux prctl: the signal a process gets when its parent exits
 
 
 def log(message: str) -> None:
@@ -156,10 +156,7 @@ class RayNodeSpec:
 
 def _terminate_with_parent() -> None:
     """In the child: SIGTERM when the launcher dies, even by SIGKILL (Linux), so no node leaks."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
+    signal_when_parent_dies(signal.SIGTERM)
 
 
 class RayNode:

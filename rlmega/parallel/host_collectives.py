@@ -165,7 +165,7 @@ class HostCollectives:
             views = self._views[key] = [slot[:nbytes].view(like.dtype).view(like.shape) for slot in self._slots[parity]]
         return views
 
-    def _wait(self, flags: torch.Tensor, sequence: int, ranks) -> None:
+    def _wait(self, flags: np.ndarray, sequence: int, ranks) -> None:
         """Until the flags of ``ranks`` reach ``sequence``: yielding the core at first, then sleeping a little
         longer each time, so a punctual peer costs microseconds and a late one keeps no core busy."""
         def late() -> list[int]:

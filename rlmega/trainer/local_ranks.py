@@ -24,7 +24,6 @@ the children's answers. The ranks' collectives go between the processes directly
 from __future__ import annotations
 
 import atexit
-import ctypes
 import io
 import os
 import pickle
@@ -183,10 +182,9 @@ def _die_with_parent(parent: int) -> None:
     """SIGKILL this process when the driver, ``parent``, dies (Linux; elsewhere it ends when its pipe closes, or in
     its next collective). PR_SET_PDEATHSIG fires when the driver's *thread* that started it exits: rlmega starts
     the ranks from the driver's main thread."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    from rlmega.launch.guardian import signal_when_parent_dies
+
+    signal_when_parent_dies(signal.SIGKILL)
     if os.getppid() != parent:  # it died before the line above
         os._exit(1)
 
