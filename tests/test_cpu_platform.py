@@ -230,3 +230,77 @@ def test_redirected_holds_what_enable_enters_in_the_block_only():
     before, inside, depth, after, depth_after = printed
     assert (inside, depth) == ("cpu", "1")
     assert after == before != "cpu" and depth_after == "0"
+
+
+class _Owner:
+    """Stands in for a model: ``direct`` keeps its verdicts per owner (weakly)."""
+
+
+def _direct_runs(rank, world_size):
+    import os
+
+    torch_zeros = torch.zeros
+    owner, depths, devices = _Owner(), {}, {}
+
+    def covered():  # every CUDA-naming call the patches map
+        made = [torch.zeros(2, device="cuda"), torch.empty(2, device=0), torch.tensor([1.0], device="cuda:0"),
+                torch.arange(3).to("cuda"), torch.arange(3).to(device=0), torch.arange(3).cuda(),
+                torch.ones(2).new_zeros(3, device="cuda"), torch.zeros(2, pin_memory=True)]
+        return {t.device.type for t in made} | {torch.zeros(1).type()}
+
+    for run in range(2):
+        with cpu_platform.direct(owner, "covered"):
+            depths[f"covered {run}"] = torch.overrides._len_torch_function_stack()
+            devices[f"covered {run}"] = covered()
+    for run in range(2):  # torch.device("cuda") reaches the mode: this kind keeps it
+        with cpu_platform.direct(owner, "device object"):
+            depths[f"device object {run}"] = torch.overrides._len_torch_function_stack()
+            devices[f"device object {run}"] = {torch.device("cuda").type} | covered()
+    with torch.device("meta"):  # torch's default-device context still knows its own factory functions
+        on_meta = torch.zeros(1).device.type
+    after = (torch.overrides._len_torch_function_stack(), torch.zeros is torch_zeros, _cuda_zeros_device(),
+             cpu_platform._backward_redirect is CudaAsCpu, on_meta)
+
+    class AllocatesInBackward(torch.autograd.Function):  # Megatron's custom Functions do this
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * torch.full_like(grad, 2.0, device="cuda")
+
+    grads = []
+    for run in range(2):
+        with cpu_platform.direct(owner, "backward"):
+            x = torch.ones(3, requires_grad=True)
+            AllocatesInBackward.apply(x).sum().backward()
+            grads.append(x.grad.tolist())
+
+    missed = None
+    try:  # proven on a run that did not take the path below
+        with cpu_platform.direct(owner, "covered"):
+            with torch.device("cuda"):  # a default device the patches cannot see
+                torch.zeros(1)
+    except cpu_platform.MissedCudaCall as error:
+        missed = str(error)
+    os.environ[cpu_platform.DIRECT_ENV] = "0"
+    with cpu_platform.direct(owner, "covered"):
+        depths["switched off"] = torch.overrides._len_torch_function_stack()
+    return dict(depths=depths, devices=devices, verdicts=dict(cpu_platform._VERDICTS[owner]), after=after,
+                grads=grads, missed=missed, depth_at_end=torch.overrides._len_torch_function_stack())
+
+
+def test_direct_runs_without_the_mode_once_its_first_run_proved_the_patches_cover_it():
+    seen = run_on_ranks(_direct_runs, 1, timeout_s=60)[0]
+    cuda_twin = "torch.cuda.FloatTensor"
+    assert seen["devices"] == {"covered 0": {"cpu", cuda_twin}, "covered 1": {"cpu", cuda_twin},
+                               "device object 0": {"cpu", cuda_twin}, "device object 1": {"cpu", cuda_twin}}
+    # The first run watches under the mode; a proven kind then runs with no mode at all, a refused one keeps it.
+    assert seen["depths"] == {"covered 0": 1, "covered 1": 0, "device object 0": 1, "device object 1": 1,
+                              "switched off": 1}
+    assert seen["verdicts"] == {"covered": True, "device object": False, "backward": True}
+    assert seen["after"] == (1, True, "cpu", True, "meta")  # the mode and torch's own functions are back afterwards
+    assert seen["grads"] == [[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]  # d(sum(2x))/dx, the backward's "cuda" tensor on CPU
+    assert "RLMEGA_CPU_DIRECT=0" in seen["missed"] and "path the step's first run did not take" in seen["missed"]
+    assert seen["depth_at_end"] == 1

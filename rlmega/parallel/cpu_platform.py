@@ -9,6 +9,9 @@ that does so; each redirect below says why in one line.
 ``route_collectives`` (called by ``layout.initialize`` on CPU) sends the all-reduces and broadcasts of given
 groups through shared memory where their ranks share a host, since gloo's loopback TCP costs 0.3-1 ms each.
 
+``direct`` runs a training step's hot loop (forward, backward, optimizer step) without the torch-function mode,
+with the few calls that name CUDA there patched for the block, once the step's first run has proved that enough.
+
 ``enable()`` is a no-op when CUDA is available: on GPU, Megatron runs untouched.
 The redirects were checked against the megatron-core versions in ``CHECKED_MCORE_VERSIONS``;
 any other version is refused rather than half-patched.
@@ -19,7 +22,10 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import os
 import warnings
+import weakref
+from typing import Callable, Hashable, Optional
 
 import torch
 import torch.distributed as dist
@@ -50,14 +56,33 @@ def _is_cuda_device(device) -> bool:
         return False
     if isinstance(device, int) and not isinstance(device, bool):
         return True  # a bare index means a CUDA ordinal in torch
-    if isinstance(device, (str, torch.device)):
-        return torch.device(device).type == "cuda"
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):  # parsed here: torch.device() would pass through the mode when called outside it
+        return device.partition(":")[0].strip() == "cuda"
     return False
 
 
+# torch's own entry points, kept before ``direct`` patches the Tensor methods for a block (the mode compares with these).
+_DEVICE, _TENSOR_TO, _TENSOR_CUDA, _TENSOR_TYPE = torch.device, torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type
 # The calls that can name a device (or report a type) without keyword arguments; every other call does it by
 # keyword (factory functions take ``device`` and ``pin_memory`` only so).
-_NAMING_DEVICES_POSITIONALLY = frozenset({torch.device, torch.Tensor.cuda, torch.Tensor.to, torch.Tensor.type})
+_NAMING_DEVICES_POSITIONALLY = frozenset({_DEVICE, _TENSOR_CUDA, _TENSOR_TO, _TENSOR_TYPE})
+
+
+def _names_cuda(func, args: tuple, kwargs: dict) -> bool:
+    """Whether the call would need CUDA: a CUDA device or pinned memory asked for (``Tensor.type()`` aside)."""
+    if _is_cuda_device(kwargs.get("device")) or kwargs.get("pin_memory"):
+        return True
+    if func is _DEVICE:
+        return _is_cuda_device(args[0]) if args else kwargs.get("type") == "cuda"
+    if func is _TENSOR_TO:
+        return any(_is_cuda_device(arg) for arg in args[1:])
+    return func is _TENSOR_CUDA
+
+
+def _cuda_type_name(name: str) -> str:
+    return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
 
 
 class CudaAsCpu(TorchFunctionMode):
@@ -77,15 +102,14 @@ class CudaAsCpu(TorchFunctionMode):
             kwargs["device"] = "cpu"
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
-        if func is torch.device and (_is_cuda_device(args[0]) if args else kwargs.get("type") == "cuda"):
+        if func is _DEVICE and (_is_cuda_device(args[0]) if args else kwargs.get("type") == "cuda"):
             return torch.device("cpu")  # e.g. YaRN RoPE's `with torch.device(torch.cuda.current_device())`
-        if func is torch.Tensor.cuda:
+        if func is _TENSOR_CUDA:
             return args[0]
-        if func is torch.Tensor.to:
+        if func is _TENSOR_TO:
             args = tuple("cpu" if i > 0 and _is_cuda_device(a) else a for i, a in enumerate(args))
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
+        if func is _TENSOR_TYPE and len(args) == 1 and not kwargs:
+            return _cuda_type_name(func(*args))
         return func(*args, **kwargs)
 
 
@@ -150,6 +174,10 @@ def _patch_torch_cuda():
     torch.Tensor.record_stream = lambda self, stream: None  # no caching allocator to inform
 
 
+# What a custom autograd Function's backward runs under: the redirect, or nothing inside a proven ``direct`` block.
+_backward_redirect: Optional[Callable[[], TorchFunctionMode]] = CudaAsCpu
+
+
 def _patch_autograd_backward():
     # Autograd calls Python backward() without the caller's torch-function modes; re-enter ours
     # so Megatron's custom Functions can allocate "cuda" tensors in backward too.
@@ -158,7 +186,9 @@ def _patch_autograd_backward():
     run_backward = BackwardCFunction.apply
 
     def apply_with_cpu_devices(self, *args):
-        with CudaAsCpu():
+        if _backward_redirect is None:
+            return run_backward(self, *args)
+        with _backward_redirect():
             return run_backward(self, *args)
 
     BackwardCFunction.apply = apply_with_cpu_devices
@@ -398,3 +428,131 @@ def redirected():
     finally:
         if _redirecting():  # the one entered above, or the one enable() entered in the block
             torch.overrides._get_current_function_mode().__exit__(None, None, None)
+
+
+# ---- a training step without the mode ---------------------------------------------------
+
+# Where a step names CUDA by keyword (``device=``, ``pin_memory=``): torch's factory functions and the Tensor methods
+# that make a new tensor. ``direct`` maps those calls by patching them for the block.
+_FACTORIES = ("empty", "zeros", "ones", "full", "arange", "tensor", "as_tensor", "rand", "randn", "randint",
+              "randperm", "linspace", "eye", "empty_strided", "empty_like", "zeros_like", "ones_like", "full_like",
+              "rand_like", "randn_like", "randint_like")
+_NEW_TENSOR_METHODS = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")
+DIRECT_ENV = "RLMEGA_CPU_DIRECT"
+"""``0`` keeps every step under the redirect's mode (``direct`` does nothing)."""
+
+# owner (a model) -> {kind of block: True once its first run named CUDA only where the patches map it, else False}
+_VERDICTS: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+
+
+def _cpu_kwargs(kwargs: dict) -> dict:
+    if _is_cuda_device(kwargs.get("device")):
+        kwargs["device"] = "cpu"
+    if kwargs.get("pin_memory"):
+        kwargs["pin_memory"] = False
+    return kwargs
+
+
+def _with_cpu_kwargs(original: Callable) -> Callable:
+    def call(*args, **kwargs):
+        return original(*args, **_cpu_kwargs(kwargs)) if kwargs else original(*args)
+    return call
+
+
+def _to_cpu(self, *args, **kwargs):
+    return _TENSOR_TO(self, *("cpu" if _is_cuda_device(arg) else arg for arg in args), **_cpu_kwargs(kwargs))
+
+
+def _cuda_type(self, *args, **kwargs):
+    name = _TENSOR_TYPE(self, *args, **kwargs)
+    return name if args or kwargs else _cuda_type_name(name)
+
+
+_PATCHES: list[tuple[object, str, Callable, Callable]] = []
+"""(owner, attribute, torch's own, replacement) of every call ``direct`` maps itself; made at its first use."""
+
+
+def _direct_patches() -> list[tuple[object, str, Callable, Callable]]:
+    if not _PATCHES:
+        # torch's default-device context (``with torch.device(...)``) finds the factory functions in a set it makes
+        # once, at first use: made inside a block, it would hold the replacements and miss torch's own ever after.
+        import torch.utils._device
+
+        torch.utils._device._device_constructors()
+        named = [(torch, name) for name in _FACTORIES] + [(torch.Tensor, name) for name in _NEW_TENSOR_METHODS]
+        _PATCHES.extend((owner, name, getattr(owner, name), _with_cpu_kwargs(getattr(owner, name)))
+                        for owner, name in named)
+        _PATCHES.extend([(torch.Tensor, "to", _TENSOR_TO, _to_cpu),
+                         (torch.Tensor, "cuda", _TENSOR_CUDA, lambda self, *args, **kwargs: self),
+                         (torch.Tensor, "type", _TENSOR_TYPE, _cuda_type)])
+    return _PATCHES
+
+
+class _Watching(CudaAsCpu):
+    """The redirect, noting every call that reaches it still naming CUDA: a call the patches of ``direct`` miss."""
+
+    def __init__(self, missed: list[str]):
+        super().__init__()
+        self.missed = missed
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if (kwargs or func in _NAMING_DEVICES_POSITIONALLY) and _names_cuda(func, args, kwargs or {}):
+            self.missed.append(getattr(func, "__qualname__", repr(func)))
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+class MissedCudaCall(RuntimeError):
+    """A ``direct`` block named CUDA in a call only the redirect's mode maps, on a path its first run did not take."""
+
+
+@contextlib.contextmanager
+def direct(owner: object, kind: Hashable):
+    """A block that makes the same torch calls every time it runs (a training step's forward and backward, an
+    optimizer step), without the redirect's torch-function mode: the mode puts a Python call in front of every
+    torch op, about 12 % of a small model's update on CPU. The block's calls that name CUDA are the factory
+    functions' and a few Tensor methods' (``device=``, ``pin_memory=``, ``.to``, ``.cuda``, ``.type()``); they are
+    patched for the block instead.
+
+    The first run of each ``kind`` for ``owner`` runs under the mode and notes any call that still reaches it naming
+    CUDA; if none did, the later runs go without the mode, else all of them keep it. A later run that takes a path
+    the first did not and names CUDA there fails with ``MissedCudaCall`` (``RLMEGA_CPU_DIRECT=0`` keeps the mode
+    everywhere). Nothing happens where the redirect is not active on this thread (on GPU, on a driver's thread)."""
+    if not _redirecting() or os.environ.get(DIRECT_ENV, "1") == "0":
+        yield
+        return
+    verdicts = _VERDICTS.setdefault(owner, {})
+    verdict = verdicts.get(kind)
+    if verdict is False:
+        yield
+        return
+    global _backward_redirect
+    missed: list[str] = []
+    mode = torch.overrides._get_current_function_mode()
+    mode.__exit__(None, None, None)
+    watching = None if verdict else _Watching(missed)
+    if watching is not None:
+        watching.__enter__()
+    for patched, name, _, replacement in _direct_patches():
+        setattr(patched, name, replacement)
+    _backward_redirect = None if watching is None else (lambda: _Watching(missed))
+    try:
+        yield
+    except (AssertionError, RuntimeError) as error:
+        if verdict and "not compiled with CUDA" in str(error):
+            raise MissedCudaCall(
+                f"a step on rlmega's CPU platform named a CUDA device in a call it maps only under its torch-function "
+                f"mode, on a path the step's first run did not take ({error}); set {DIRECT_ENV}=0 to keep every step "
+                f"under the mode") from error
+        raise
+    else:
+        if watching is not None:
+            verdicts[kind] = not missed
+            if missed:
+                logger.debug("CPU platform: %r keeps the mode; its calls %s name CUDA", kind, sorted(set(missed)))
+    finally:
+        _backward_redirect = CudaAsCpu
+        for patched, name, original, _ in _PATCHES:
+            setattr(patched, name, original)
+        if watching is not None:
+            watching.__exit__(None, None, None)
+        mode.__enter__()

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from rlmega.parallel.cpu_platform import direct
 from rlmega.workers.batching import MicroBatch, concatenated_ranges
 from rlmega.workers.lm_head import response_logits_layer, set_rows
 
@@ -70,14 +71,16 @@ def run_schedule(chunks: list, micro_batches: list[MicroBatch], head: Head, *, f
         return output, loss_func
 
     shape = micro_batches[0].tokens.shape  # under context parallelism, this rank's share of the sequence
-    results = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=[iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches),
-        model=chunks if len(chunks) > 1 else chunks[0],
-        num_microbatches=len(micro_batches),
-        seq_length=shape[1] * ps.get_context_parallel_world_size(), micro_batch_size=shape[0],
-        forward_only=forward_only,
-    )
+    # On CPU, after a first run under the platform's mode, without it (rlmega.parallel.cpu_platform.direct).
+    with direct(chunks[0], ("schedule", forward_only, routing is not None)):
+        results = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=[iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches),
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=len(micro_batches),
+            seq_length=shape[1] * ps.get_context_parallel_world_size(), micro_batch_size=shape[0],
+            forward_only=forward_only,
+        )
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return [None] * len(micro_batches)
     return [item["result"] for item in results]

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from rlmega.models.reward_head import score_position
 from rlmega.models.spec import ModelSpec, has_transformer_engine
+from rlmega.parallel.cpu_platform import direct
 from rlmega.parallel.layout import ParallelLayout
 from rlmega.workers import checkpoint, heads
 from rlmega.workers.batching import (
@@ -225,7 +226,8 @@ class MegatronWorker:
         if math.isfinite(metrics.get(loss_name, 0.0)) and self._grads_finite():
             if not sft:
                 self.scheduler.step(increment=1)  # the LR of optimizer step k is the schedule's value at k
-            _, grad_norm, _ = self.optimizer.step()
+            with direct(self.chunks[0], "optimizer step"):
+                _, grad_norm, _ = self.optimizer.step()
             self.step += 0 if sft else 1
             metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         else:
