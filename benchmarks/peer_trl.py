@@ -30,9 +30,10 @@ on_step_end wall times; rlmega's from timing_s/step in run_dir/metrics.jsonl. TR
 from its own profiling contexts (transformers.generate, _calculate_rewards, _prepare_inputs,
 compute_loss), collected by this script instead of a W&B / MLflow run.
 
-Rounds (--rounds, default 3): each round runs every configuration once, in the same order, so that a
-machine that speeds up or slows down (a shared VM drifts by 50 % within minutes) moves all of them alike;
-a ratio is taken within a round, and the report gives each round's ratios and their median.
+Rounds (--rounds, default 3): each round runs every configuration once, so that a machine that speeds up or
+slows down (a shared VM drifts by 50 % within minutes) moves all of them alike; every other round runs them in
+reverse order, so that a drift within a round favours none of them. A ratio is taken within a round, and the
+report gives each round's ratios and their median.
 
     python benchmarks/peer_trl.py [--steps 22] [--skip 2] [--rounds 3] [--only trl|rlmega] [--threads 2] [--work-dir DIR]
 
@@ -97,15 +98,16 @@ def main() -> int:
         work = Path(args.work_dir or scratch)
         work.mkdir(parents=True, exist_ok=True)
         assets = Path(prepare_tiny_assets(work / "assets")["model"]).parent
+        runs = [lambda: run_trl(work, assets, args)] if "trl" in frameworks else []
+        if "rlmega" in frameworks:
+            runs += [lambda label=label, layout=layout: run_rlmega(work, assets, args, label, layout)
+                     for label, layout in rlmega_configs(args)]
         for number in range(1, args.rounds + 1):
             print(f"round {number}/{args.rounds}", file=sys.stderr, flush=True)
-            results = []
-            if "trl" in frameworks:
-                results.append(run_trl(work, assets, args))
-            if "rlmega" in frameworks:
-                for label, layout in rlmega_configs(args):
-                    results.append(run_rlmega(work, assets, args, label, layout))
-            rounds.append(results)
+            # Every other round in reverse order: a machine drifting within a round favours no configuration.
+            order = range(len(runs)) if number % 2 else reversed(range(len(runs)))
+            results = {index: runs[index]() for index in order}
+            rounds.append([results[index] for index in range(len(runs))])
     print_report(rounds, args)
     return 0
 
