@@ -81,6 +81,15 @@ def _names_cuda(func, args: tuple, kwargs: dict) -> bool:
     return func is _TENSOR_CUDA
 
 
+def _cpu_kwargs(kwargs: dict) -> dict:
+    """``kwargs`` with a CUDA ``device`` made the CPU and ``pin_memory`` (which needs CUDA) off, in place."""
+    if _is_cuda_device(kwargs.get("device")):
+        kwargs["device"] = "cpu"
+    if kwargs.get("pin_memory"):
+        kwargs["pin_memory"] = False
+    return kwargs
+
+
 def _cuda_type_name(name: str) -> str:
     return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
 
@@ -97,11 +106,7 @@ class CudaAsCpu(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if not kwargs and func not in _NAMING_DEVICES_POSITIONALLY:  # most calls: nothing to map, nothing to copy
             return func(*args)
-        kwargs = dict(kwargs or {})
-        if _is_cuda_device(kwargs.get("device")):
-            kwargs["device"] = "cpu"
-        if kwargs.get("pin_memory"):
-            kwargs["pin_memory"] = False
+        kwargs = _cpu_kwargs(dict(kwargs or {}))
         if func is _DEVICE and (_is_cuda_device(args[0]) if args else kwargs.get("type") == "cuda"):
             return torch.device("cpu")  # e.g. YaRN RoPE's `with torch.device(torch.cuda.current_device())`
         if func is _TENSOR_CUDA:
@@ -443,14 +448,6 @@ DIRECT_ENV = "RLMEGA_CPU_DIRECT"
 
 # owner (a model) -> {kind of block: True once its first run named CUDA only where the patches map it, else False}
 _VERDICTS: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
-
-
-def _cpu_kwargs(kwargs: dict) -> dict:
-    if _is_cuda_device(kwargs.get("device")):
-        kwargs["device"] = "cpu"
-    if kwargs.get("pin_memory"):
-        kwargs["pin_memory"] = False
-    return kwargs
 
 
 def _with_cpu_kwargs(original: Callable) -> Callable:
