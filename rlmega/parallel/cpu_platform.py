@@ -506,7 +506,7 @@ class MissedCudaCall(RuntimeError):
 def direct(owner: object, kind: Hashable):
     """A block that makes the same torch calls every time it runs (a training step's forward and backward, an
     optimizer step), without the redirect's torch-function mode: the mode puts a Python call in front of every
-    torch op, about 12 % of a small model's update on CPU. The block's calls that name CUDA are the factory
+    torch op, 3-8 % of a small model's update on CPU. The block's calls that name CUDA are the factory
     functions' and a few Tensor methods' (``device=``, ``pin_memory=``, ``.to``, ``.cuda``, ``.type()``); they are
     patched for the block instead.
 
