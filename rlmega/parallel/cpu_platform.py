@@ -70,12 +70,22 @@ _DEVICE, _TENSOR_TO, _TENSOR_CUDA, _TENSOR_TYPE = torch.device, torch.Tensor.to,
 _NAMING_DEVICES_POSITIONALLY = frozenset({_DEVICE, _TENSOR_CUDA, _TENSOR_TO, _TENSOR_TYPE})
 
 
+def _cuda_device_made(args: tuple, kwargs: dict) -> bool:
+    """Whether ``torch.device(*args, **kwargs)`` names CUDA (``torch.device(0)``, ``torch.device("cuda")``)."""
+    return _is_cuda_device(args[0]) if args else kwargs.get("type") == "cuda"
+
+
+def _cpu_args(args) -> tuple:
+    """``Tensor.to``'s positional arguments (after the tensor) with a CUDA device made the CPU."""
+    return tuple("cpu" if _is_cuda_device(arg) else arg for arg in args)
+
+
 def _names_cuda(func, args: tuple, kwargs: dict) -> bool:
     """Whether the call would need CUDA: a CUDA device or pinned memory asked for (``Tensor.type()`` aside)."""
     if _is_cuda_device(kwargs.get("device")) or kwargs.get("pin_memory"):
         return True
     if func is _DEVICE:
-        return _is_cuda_device(args[0]) if args else kwargs.get("type") == "cuda"
+        return _cuda_device_made(args, kwargs)
     if func is _TENSOR_TO:
         return any(_is_cuda_device(arg) for arg in args[1:])
     return func is _TENSOR_CUDA
@@ -107,12 +117,12 @@ class CudaAsCpu(TorchFunctionMode):
         if not kwargs and func not in _NAMING_DEVICES_POSITIONALLY:  # most calls: nothing to map, nothing to copy
             return func(*args)
         kwargs = _cpu_kwargs(dict(kwargs or {}))
-        if func is _DEVICE and (_is_cuda_device(args[0]) if args else kwargs.get("type") == "cuda"):
+        if func is _DEVICE and _cuda_device_made(args, kwargs):
             return torch.device("cpu")  # e.g. YaRN RoPE's `with torch.device(torch.cuda.current_device())`
         if func is _TENSOR_CUDA:
             return args[0]
         if func is _TENSOR_TO:
-            args = tuple("cpu" if i > 0 and _is_cuda_device(a) else a for i, a in enumerate(args))
+            args = (args[0], *_cpu_args(args[1:]))
         if func is _TENSOR_TYPE and len(args) == 1 and not kwargs:
             return _cuda_type_name(func(*args))
         return func(*args, **kwargs)
@@ -457,7 +467,7 @@ def _with_cpu_kwargs(original: Callable) -> Callable:
 
 
 def _to_cpu(self, *args, **kwargs):
-    return _TENSOR_TO(self, *("cpu" if _is_cuda_device(arg) else arg for arg in args), **_cpu_kwargs(kwargs))
+    return _TENSOR_TO(self, *_cpu_args(args), **_cpu_kwargs(kwargs))
 
 
 def _cuda_type(self, *args, **kwargs):
