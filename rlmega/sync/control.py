@@ -121,7 +121,8 @@ class Watch:
                 continue
             error = future.exception()
             if error is not None:
-                raise TransportError(f"engine {index} failed while receiving weights: {error!r}") from error
+                raise TransportError(f"engine {index} failed while receiving weights: {error!r}",
+                                     engine_error=error) from error
             if not finishing:
                 raise TransportError(f"engine {index} finished its update before the sender sent the end of the stream")
         if self._channel is not None:

@@ -19,4 +19,9 @@ class StaleWeightsError(WeightSyncError):
 class TransportError(WeightSyncError):
     """A weight update failed in transit: a receiver failed or died, the sender gave up, or a wait
     ran past its timeout. The engine either never saw the update or refuses to generate until a
-    later update completes."""
+    later update completes. ``engine_error``: the engine's own error when its update call failed (a dead
+    engine's shows who died, for the job's one-line failure)."""
+
+    def __init__(self, message: str, engine_error: BaseException | None = None):
+        super().__init__(message)
+        self.engine_error = engine_error  # an attribute, so that it travels with the error when pickled

@@ -41,9 +41,10 @@ def wait_all(refs: Sequence[Any], names: Sequence[str], timeout_s: float, what: 
             results[ref] = ray.get(ref, timeout=timeout_s)
         except RayTaskError as error:  # first: the worker is alive; if an actor it called died, Ray's error is
             cause = error.cause if getattr(error, "cause", None) is not None else error  # a RayActorError too
-            if isinstance(cause, RayActorError):
-                dead = _actor_names.get(getattr(cause, "actor_id", None) or "", "an actor it called")
-                raise WorkerFailure(f"{what}: {dead} died ({_why(cause)}) while {pending[ref]} was calling it"
+            died = cause if isinstance(cause, RayActorError) else getattr(cause, "engine_error", None)
+            if isinstance(died, RayActorError):  # directly, or in a weight transfer (TransportError.engine_error)
+                dead = _actor_names.get(getattr(died, "actor_id", None) or "", "an actor it called")
+                raise WorkerFailure(f"{what}: {dead} died ({_why(died)}) while {pending[ref]} was calling it"
                                     f"{_log_hint(dead)}") from error
             raise WorkerFailure(f"{what}: {pending[ref]} raised {type(cause).__name__}: {cause}") from error
         except RayActorError as error:

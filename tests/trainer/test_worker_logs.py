@@ -151,9 +151,11 @@ def test_ray_dead_worker_paragraphs_leave_the_console(tmp_path, capsys):
 
 
 
-def test_a_worker_that_dies_inside_another_workers_call_is_the_one_named(local_ray):
+@pytest.mark.parametrize("through", ["call", "transfer"])
+def test_a_worker_that_dies_inside_another_workers_call_is_the_one_named(local_ray, through):
     """A training rank calls an engine (weight sync, post-sync probes); when the engine dies then, the rank's call
-    fails with an error that Ray makes a RayActorError too. The one-line failure names the engine, not the rank."""
+    fails with an error that Ray makes a RayActorError too, or (``transfer``: the engine's update call on a
+    sender's thread) with a TransportError carrying it. The one-line failure names the engine, not the rank."""
     import ray
 
     from rlmega.trainer.remote import name_actors, wait_all
@@ -171,10 +173,16 @@ def test_a_worker_that_dies_inside_another_workers_call_is_the_one_named(local_r
         def call(self, callee):
             return ray.get(callee.die.remote())
 
+        def transfer(self, callee):  # as a transport's sender waits on the engines' update calls
+            from rlmega.sync.control import Watch
+            from rlmega.sync.transports import in_thread
+
+            Watch([in_thread(self.call, callee)], 120.0).until(lambda: False, "the engine to take a bucket")
+
     callee, caller = ray.remote(Callee).remote(), ray.remote(Caller).remote()
     name_actors([ray.get(callee.actor_id.remote(), timeout=120)], ["rollout engine 0"])
     with pytest.raises(WorkerFailure) as failure:
-        wait_all([caller.call.remote(callee)], ["training rank 0"], 120.0, "post-sync check")
+        wait_all([getattr(caller, through).remote(callee)], ["training rank 0"], 120.0, "post-sync check")
     message = str(failure.value)
     assert message.startswith("post-sync check: rollout engine 0 died (its process ended unexpectedly"), message
     # (then "; its output is in <log>" when this process started an engine of that name, as earlier tests do)
