@@ -284,11 +284,19 @@ def _direct_runs(rank, world_size):
                 torch.zeros(1)
     except cpu_platform.MissedCudaCall as error:
         missed = str(error)
+    builds = []  # what a CUDA build of torch says instead of "not compiled with CUDA" where it finds no GPU
+    for message in ("Found no NVIDIA driver on your system.", "Cannot re-initialize CUDA in forked subprocess.",
+                    "an error about something else"):
+        try:
+            with cpu_platform.direct(owner, "covered"):
+                raise RuntimeError(message)
+        except RuntimeError as error:
+            builds.append(type(error).__name__)
     os.environ[cpu_platform.DIRECT_ENV] = "0"
     with cpu_platform.direct(owner, "covered"):
         depths["switched off"] = torch.overrides._len_torch_function_stack()
     return dict(depths=depths, devices=devices, verdicts=dict(cpu_platform._VERDICTS[owner]), after=after,
-                grads=grads, missed=missed, depth_at_end=torch.overrides._len_torch_function_stack())
+                grads=grads, missed=missed, builds=builds, depth_at_end=torch.overrides._len_torch_function_stack())
 
 
 def test_direct_runs_without_the_mode_once_its_first_run_proved_the_patches_cover_it():
@@ -303,4 +311,5 @@ def test_direct_runs_without_the_mode_once_its_first_run_proved_the_patches_cove
     assert seen["after"] == (1, True, "cpu", True, "meta")  # the mode and torch's own functions are back afterwards
     assert seen["grads"] == [[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]  # d(sum(2x))/dx, the backward's "cuda" tensor on CPU
     assert "RLMEGA_CPU_DIRECT=0" in seen["missed"] and "path the step's first run did not take" in seen["missed"]
+    assert seen["builds"] == ["MissedCudaCall", "MissedCudaCall", "RuntimeError"]
     assert seen["depth_at_end"] == 1

@@ -545,7 +545,9 @@ def direct(owner: object, kind: Hashable):
     try:
         yield
     except (AssertionError, RuntimeError) as error:
-        if verdict and "not compiled with CUDA" in str(error):
+        # Where the redirect is active, CUDA is unusable: a CPU build says "not compiled with CUDA", a CUDA build
+        # without a GPU "no NVIDIA driver" or, in a forked rank, "Cannot re-initialize CUDA".
+        if verdict and any(word in str(error).lower() for word in ("cuda", "nvidia")):
             raise MissedCudaCall(
                 f"a step on rlmega's CPU platform named a CUDA device in a call it maps only under its torch-function "
                 f"mode, on a path the step's first run did not take ({error}); set {DIRECT_ENV}=0 to keep every step "
