@@ -85,27 +85,37 @@ class ImagePrompts:
         size = dict(self.image_processor.size)  # {"shortest_edge": min pixels, "longest_edge": max pixels}
         size.update({key: value for key, value in (("shortest_edge", min_pixels), ("longest_edge", max_pixels))
                      if value})
-        encoded = self.image_processor(images=images, return_tensors="pt", size=size)
-        grids = encoded["image_grid_thw"].long()
+        grids = self.image_processor(images=images, return_tensors="pt", size=size)["image_grid_thw"].long()
+        # The patches are those of the images resized to their grids, which the engines get: the processor's own
+        # resize of the originals differs from PIL's in the last bits where it is torchvision's, while resizing an
+        # image to its own size changes nothing in either backend, so both sides patch the same pixels.
+        resized = self._resized(images, grids)
+        encoded = self.image_processor(images=resized, return_tensors="pt", size=size)
+        if not encoded["image_grid_thw"].long().equal(grids):
+            raise ValueError(f"the image processor changed the grids of resized images: {grids.tolist()} -> "
+                             f"{encoded['image_grid_thw'].tolist()}")
         pieces = text.split(self.image_token)
         if len(pieces) - 1 != len(images):
             raise ValueError(f"{len(pieces) - 1} image tokens in the prompt for {len(images)} images")
         expanded = pieces[0] + "".join(self.image_token * int(grid.prod() // self.merge**2) + piece
                                        for grid, piece in zip(grids, pieces[1:]))
         ids = self.tokenizer(expanded, add_special_tokens=add_special_tokens)["input_ids"]
-        return list(ids), ImageInputs(encoded["pixel_values"].float(), grids, self._resized(images, grids))
+        return list(ids), ImageInputs(encoded["pixel_values"].float(), grids, [_png(image) for image in resized])
 
-    def _resized(self, images: list, grids) -> list[bytes]:
-        """Each image resized as the processor resized it (to its grid, with its resampling) and PNG-encoded
-        (lossless): an engine's own processor then keeps the size, so it makes the same grid and patches."""
+    def _resized(self, images: list, grids) -> list:
+        """Each image resized to its grid as the processor resizes (with its resampling): an engine's own processor
+        then keeps the size, so it makes the same grid and patches."""
         patch = int(getattr(self.image_processor, "patch_size", 14))
         resample = getattr(self.image_processor, "resample", None)
-        encoded = []
-        for image, (_, height, width) in zip(images, grids.tolist()):
-            buffer = io.BytesIO()
-            image.resize((width * patch, height * patch), resample=resample).save(buffer, format="PNG")
-            encoded.append(buffer.getvalue())
-        return encoded
+        return [image.resize((width * patch, height * patch), resample=resample)
+                for image, (_, height, width) in zip(images, grids.tolist())]
+
+
+def _png(image) -> bytes:
+    """Lossless bytes of ``image``, what the engines are sent."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 def _image_processor(model_path: str):

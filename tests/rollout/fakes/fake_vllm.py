@@ -245,8 +245,11 @@ class LLM:
                 raise ValueError(f"The data should contain the fields: {required}, but only found the following "
                                  f"keys: {set(images)}")
             raise NotImplementedError("the fake does not emulate image embeddings")
+        import importlib.util
+
+        import transformers
         from PIL import Image
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+        from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
 
         images = [images] if isinstance(images, Image.Image) else list(images)
         if not all(isinstance(image, Image.Image) for image in images):
@@ -256,8 +259,12 @@ class LLM:
         if unknown:
             raise TypeError(f"the fake emulates only the size kwargs {MULTIMODAL['qwen2_5_vl']['size_kwargs']}, "
                             f"got {unknown}")
-        processor = Qwen2VLImageProcessorPil(patch_size=self.vision.patch, merge_size=self.vision.merge,
-                                             temporal_patch_size=self.vision.temporal)
+        # vllm/transformers_utils/processor.py loads the processor as transformers' Auto classes pick it: the
+        # torchvision backend where torchvision is installed, else the PIL one (their pixels differ in the last bits)
+        backend = "torchvision" if importlib.util.find_spec("torchvision") else "pil"
+        processor_class = getattr(transformers, IMAGE_PROCESSOR_MAPPING_NAMES["qwen2_5_vl"][backend])
+        processor = processor_class(patch_size=self.vision.patch, merge_size=self.vision.merge,
+                                    temporal_patch_size=self.vision.temporal)
         size = dict(processor.size)  # request kwargs win over the checkpoint's (_complete_mm_processor_size_aliases)
         size.update({edge: kwargs[key] for edge, key in (("shortest_edge", "min_pixels"),
                                                           ("longest_edge", "max_pixels")) if key in kwargs})
