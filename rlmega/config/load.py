@@ -134,6 +134,8 @@ def validate(config: RLConfig) -> None:
     _require(config.sync.bucket_bytes > 0 and config.sync.timeout_s > 0, "sync.bucket_bytes / sync.timeout_s",
              "must be > 0")
     _require(config.sync.check_every >= 1, "sync.check_every", "must be >= 1")
+    _require(config.sync.post_sync_atol is None or config.sync.post_sync_atol > 0, "sync.post_sync_atol",
+             "must be > 0 (null: chosen by the run's precision)")
     _require(config.rollout.num_engines >= 1, "rollout.num_engines", "must be >= 1")
     _check_devices(config)
     rollout = config.rollout

@@ -101,6 +101,14 @@ class RolloutConfig:
     new weights from where they stopped (each token records the version that produced it), ``restart``
     throws the partial response away and generates it again."""
 
+    def computes_in_fp32(self) -> bool:
+        """Whether the engines compute in fp32: ``engine_kwargs.dtype`` when given; else the hf engine on CPU
+        does, and vLLM / SGLang on their "auto" dtype do not (both serve a float32 checkpoint in bf16)."""
+        dtype = self.engine_kwargs.get("dtype")
+        if dtype is None:
+            return self.backend == "hf" and self.gpus_per_engine == 0
+        return str(dtype).removeprefix("torch.") in ("float32", "fp32", "float")
+
     def engine_arguments(self) -> dict:
         """The backend's constructor arguments: the engine-level fields above under the backend's own
         names (``ENGINE_ARGUMENTS``), then ``engine_kwargs``, which may not repeat them."""
@@ -211,6 +219,10 @@ class JudgeConfig:
                              cpus_per_engine=self.cpus_per_engine, gpus_per_engine=self.gpus_per_engine)
 
 
+POST_SYNC_ATOL_FP32 = 1e-3
+POST_SYNC_ATOL_BF16 = 0.5
+
+
 @dataclasses.dataclass
 class SyncConfig:
     """The weight sync after every update: trained weights into the engines (see rlmega/sync/README.md)."""
@@ -223,6 +235,11 @@ class SyncConfig:
     """Longest wait for one bucket (or the whole sync) before the run stops naming the engine."""
     post_sync_check: bool = True
     """Score greedy probes with the engine and the trainer after a sync; stop if they disagree."""
+    post_sync_atol: Optional[float] = None
+    """Largest log-prob difference (nats) the post-sync check lets through. None: by precision (see
+    ``RLConfig.post_sync_atol``): 1e-3 when trainer and engines both compute in fp32, 0.5 when either
+    computes in bf16, where two sets of kernels differ by tenths of a nat on a greedy token and a wrong
+    weight mapping by several nats."""
     check_every: int = 1
     """Run the post-sync check after every k-th sync (always after the run's first one): its cost is
     one greedy generation and one forward pass of a few probe prompts."""
@@ -369,6 +386,13 @@ class RLConfig:
     tiny_reward_model: bool = False
     """With ``tiny_assets``: also fit the quickstart's tiny reward model to the rule reward of the training
     prompts, into run_dir/assets/reward_model, if missing (``configs/tiny_cpu_rm.yaml``)."""
+
+    def post_sync_atol(self) -> float:
+        """The post-sync check's tolerance: ``sync.post_sync_atol``, or the one of the run's precision."""
+        if self.sync.post_sync_atol is not None:
+            return self.sync.post_sync_atol
+        actor_fp32 = self.actor.dtype == "fp32" or (self.actor.dtype is None and self.cluster.gpus_per_rank == 0)
+        return POST_SYNC_ATOL_FP32 if actor_fp32 and self.rollout.computes_in_fp32() else POST_SYNC_ATOL_BF16
 
     @property
     def needs_reference(self) -> bool:

@@ -103,6 +103,7 @@ def start_workers(config: RLConfig, *, with_rollout: bool = True):
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    from rlmega.trainer.engine_devices import colocated_engine_places, engine_gpu_count, shares_rank_gpus
     from rlmega.trainer.rollout_group import RolloutGroup
     from rlmega.trainer.training_group import TrainingRanks
 
@@ -121,12 +122,26 @@ def start_workers(config: RLConfig, *, with_rollout: bool = True):
         _wait_ready(engine_pg, "placing rollout engines", config.cluster.timeout_s)
         engine_bundle = lambda index: index  # noqa: E731
     rollout = None
-    if with_rollout:  # the engines start while the ranks set up (each takes seconds of imports and loading)
+
+    def start_engines(places=None) -> None:
+        nonlocal rollout
+        bundle = (lambda index: places[index].bundle) if places else engine_bundle
         rollout = RolloutGroup(config, lambda index: PlacementGroupSchedulingStrategy(
-            engine_pg, placement_group_bundle_index=engine_bundle(index)),
-            record_routing=config.actor.router_replay == "r3", wait=False)
+            engine_pg, placement_group_bundle_index=bundle(index)),
+            record_routing=config.actor.router_replay == "r3", wait=False,
+            env=(lambda index: places[index].env()) if places else None)
+
+    # The engines start while the ranks set up (each takes seconds of imports and loading); engines that run
+    # on the ranks' GPUs start once the ranks are placed, when Ray has told each rank its devices.
+    placed = None
+    if with_rollout and shares_rank_gpus(config):
+        placed = lambda nodes: start_engines(  # noqa: E731
+            colocated_engine_places(nodes, config.rollout.num_engines, engine_gpu_count(config)))
+    elif with_rollout:
+        start_engines()
     try:
-        training = TrainingRanks.for_policy(config, training_pg, total_steps=config.trainer.total_steps)
+        training = TrainingRanks.for_policy(config, training_pg, total_steps=config.trainer.total_steps,
+                                            placed=placed)
     except BaseException:
         if rollout is not None:
             rollout.shutdown()

@@ -209,7 +209,8 @@ class Trainer:
         metrics = {"sync/gbytes": stats.bytes / 1e9, "sync/gbps": stats.gbps}
         check = self.config.sync
         if check.post_sync_check and (version == self.start_step or version % check.check_every == 0):
-            metrics["sync/max_logprob_diff"] = self.actor.post_sync_check(self.engines, self.prompts.probes(), version)
+            metrics["sync/max_logprob_diff"] = self.actor.post_sync_check(self.engines, self.prompts.probes(), version,
+                                                                          self.config.post_sync_atol())
         versions = self.engines.versions()
         if any(found != version for found in versions):
             raise RuntimeError(f"after syncing version {version} the engines serve versions {versions}")

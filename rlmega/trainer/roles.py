@@ -48,7 +48,7 @@ class Actor(Protocol):
                                                                 list[torch.Tensor]]: ...
     def sft_step(self, batch: SequenceBatch, lr: float) -> dict[str, float]: ...
     def push_weights(self, engines: Engines, version: int, sync: SyncConfig) -> SyncStats: ...
-    def post_sync_check(self, engines: Engines, probes: list[list[int]], version: int) -> float: ...
+    def post_sync_check(self, engines: Engines, probes: list[list[int]], version: int, atol: float) -> float: ...
 
 
 class Reference(Protocol):
@@ -97,9 +97,10 @@ class ActorGroup:
         handles = _handles(engines)
         return self._ranks.first(lambda rank: rank.push_weights.remote(handles, version, sync), "weight sync")
 
-    def post_sync_check(self, engines: Engines, probes: list[list[int]], version: int) -> float:
+    def post_sync_check(self, engines: Engines, probes: list[list[int]], version: int, atol: float) -> float:
         handles = _handles(engines)
-        return self._ranks.first(lambda rank: rank.post_sync_check.remote(handles, probes, version), "post-sync check")
+        return self._ranks.first(lambda rank: rank.post_sync_check.remote(handles, probes, version, atol),
+                                 "post-sync check")
 
 
 class ReferenceGroup:

@@ -7,7 +7,7 @@ engine's constructor under the backend's names (``RolloutConfig.engine_arguments
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from rlmega.config.schema import RLConfig
 from rlmega.rollout.protocol import Generation, SamplingParams
@@ -17,11 +17,14 @@ if TYPE_CHECKING:
     import ray
 
 
-def _engine_node(_actor) -> tuple[str, str, str]:
+def _engine_node(_actor) -> tuple[str, str, str, str]:
+    import os
+
     import ray
 
     context = ray.get_runtime_context()
-    return context.get_node_id(), ray.util.get_node_ip_address(), context.get_actor_id()
+    return (context.get_node_id(), ray.util.get_node_ip_address(), context.get_actor_id(),
+            os.environ.get("CUDA_VISIBLE_DEVICES", ""))  # the GPUs it runs on, for placement.json
 
 
 class RolloutGroup:
@@ -30,9 +33,10 @@ class RolloutGroup:
     carries its MoE routing (R3 routing replay)."""
 
     def __init__(self, config: RLConfig, scheduling, name: str = "rollout engine", record_routing: bool = False,
-                 wait: bool = True):
+                 wait: bool = True, env: Optional[Callable[[int], dict[str, str]]] = None):
         """Start the engine actors; ``wait``: and return once every engine has started (else call
-        ``wait_started``, e.g. after starting the training ranks, so that both start at once)."""
+        ``wait_started``, e.g. after starting the training ranks, so that both start at once). ``env(i)``:
+        more environment variables of engine i (the GPUs it shares, ``rlmega.trainer.engine_devices``)."""
         from rlmega.rollout.ray_actor import RemoteEngine, engine_actor_class
         from rlmega.trainer.worker_logs import actor_env, logged
 
@@ -47,7 +51,8 @@ class RolloutGroup:
             engine_actor_class(logged(engine_class)).options(  # threaded: a pause reaches a running generate
                 num_cpus=config.rollout.cpus_per_engine, num_gpus=config.rollout.gpus_per_engine,
                 scheduling_strategy=scheduling(index),
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, **actor_env(config.run_dir, name)}},
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, **actor_env(config.run_dir, name),
+                                          **(env(index) if env else {})}},
             ).remote(config.model.path, **arguments)
             for index, name in enumerate(self.names)
         ]
@@ -61,9 +66,10 @@ class RolloutGroup:
         """Return once every engine has started (its constructor returned); WorkerFailure names one that did
         not. Fills ``nodes``."""
         located = wait_all(self._located, self.names, max(self.timeout_s, 300.0), "starting engines")
-        self.nodes = [{"engine": index, "node_id": node, "ip": ip} for index, (node, ip, _) in enumerate(located)]
-        name_actors([actor_id for _, _, actor_id in located], self.names)  # the ranks call them too
-        for engine, (_, _, actor_id) in zip(self.engines, located):
+        self.nodes = [{"engine": index, "node_id": node, "ip": ip, "gpus": gpus}
+                      for index, (node, ip, _, gpus) in enumerate(located)]
+        name_actors([actor_id for _, _, actor_id, _ in located], self.names)  # the ranks call them too
+        for engine, (_, _, actor_id, _) in zip(self.engines, located):
             engine.key = actor_id  # the ranks' weight syncs keep one transport per engine by it
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, images=None) -> list[Generation]:
@@ -146,7 +152,13 @@ def _engine(config: RLConfig) -> tuple[type, dict]:
         return HFEngine, arguments
     if rollout.backend == "vllm":
         from rlmega.rollout.vllm_engine import VLLMEngine
+        from rlmega.trainer.engine_devices import engine_gpu_count
 
+        if engine_gpu_count(config) > 1:
+            # vLLM 0.33 picks its Ray executor for tp x dp > 1 inside a placement group (vllm/config/parallel.py),
+            # whose workers would wait for GPUs this actor, or colocated the training ranks, already hold; its
+            # multiprocessing executor starts them on the GPUs this actor sees.
+            arguments.setdefault("distributed_executor_backend", "mp")
         return VLLMEngine, {"bucket_bytes": config.sync.bucket_bytes, **arguments}
     from rlmega.rollout.sglang_engine import SGLangEngine
 

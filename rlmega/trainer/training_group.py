@@ -35,14 +35,18 @@ class RankProcess:
         self.rank, self.world_size = rank, world_size
         self.workers: dict = {}
 
-    def address(self) -> tuple[str, int, str]:
+    def address(self) -> tuple[str, int, str, str]:
         """This node's IP, the rendezvous port (rank 0: its process-group store's, bound here; 0 on the
-        others) and the Ray node id (for rank 0's rendezvous and placement)."""
+        others), the Ray node id (for rank 0's rendezvous and placement) and the GPUs Ray gave this rank
+        (its CUDA_VISIBLE_DEVICES; colocated engines run on them, ``rlmega.trainer.engine_devices``)."""
+        import os
+
         import ray
 
         ip = ray.util.get_node_ip_address()
         port = self.listen(ip) if self.rank == 0 else 0
-        return ip, port, ray.get_runtime_context().get_node_id()
+        gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "") if ray.get_gpu_ids() else ""
+        return ip, port, ray.get_runtime_context().get_node_id(), gpus
 
     def listen(self, ip: str) -> int:
         """Rank 0: start the group's store on ``ip`` and return its port. The store binds its port now and holds
@@ -148,14 +152,14 @@ class RankProcess:
                              check_version=False)  # the trainer asks every engine right after (Trainer.sync)
         return self._rank0(stats)
 
-    def post_sync_check(self, engines: list, prompts: list[list[int]], version: int) -> Optional[float]:
+    def post_sync_check(self, engines: list, prompts: list[list[int]], version: int, atol: float) -> Optional[float]:
         from rlmega.sync import post_sync_check
 
         actor = self.workers["actor"]
         worst = 0.0
         for engine in engines:
             worst = max(worst, post_sync_check(actor.chunks, self.spec, engine if self.rank == 0 else None, prompts,
-                                               engine_rank=0, version=version))
+                                               engine_rank=0, atol=atol, version=version))
         return self._rank0(worst)
 
     # ---- the job's state ------------------------------------------------------------------
@@ -255,10 +259,13 @@ class RankCalls:
 
 class TrainingRanks(RankCalls):
     """``resources.world_size`` rank actors placed in ``placement_group`` bundles 0..world_size-1, one
-    world of their own; ``setup(rank, master)`` builds each rank's workers (a ``.remote`` call)."""
+    world of their own; ``setup(rank, master)`` builds each rank's workers (a ``.remote`` call).
+    ``placed(nodes)``, if given, runs once the ranks are placed and before they set up: ``nodes`` holds each
+    rank's ``{"rank", "ip", "node_id", "gpus"}``."""
 
     def __init__(self, resources: RankResources, placement_group, timeout_s: float,
-                 setup: Callable[[Any, tuple[str, int]], Any], run_dir: Optional[str] = None):
+                 setup: Callable[[Any, tuple[str, int]], Any], run_dir: Optional[str] = None,
+                 placed: Optional[Callable[[list[dict]], None]] = None):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -279,7 +286,10 @@ class TrainingRanks(RankCalls):
         ]
         try:
             addresses = self.each(lambda rank: rank.address.remote(), "address")
-            self.nodes = [{"rank": rank, "ip": ip, "node_id": node} for rank, (ip, _, node) in enumerate(addresses)]
+            self.nodes = [{"rank": rank, "ip": ip, "node_id": node, "gpus": gpus}
+                          for rank, (ip, _, node, gpus) in enumerate(addresses)]
+            if placed is not None:
+                placed(self.nodes)
             master = addresses[0][:2]
             self.each(lambda rank: setup(rank, master), "setup", timeout_s=max(self.timeout_s, 600.0))
         except BaseException:
@@ -287,10 +297,11 @@ class TrainingRanks(RankCalls):
             raise
 
     @classmethod
-    def for_policy(cls, config: RLConfig, placement_group, total_steps: int) -> TrainingRanks:
+    def for_policy(cls, config: RLConfig, placement_group, total_steps: int,
+                   placed: Optional[Callable[[list[dict]], None]] = None) -> TrainingRanks:
         """The policy's ranks (``layout``): actor, and reference and critic when needed."""
         return cls(RankResources.of_policy(config), placement_group, config.cluster.timeout_s,
-                   lambda rank, master: rank.setup.remote(master, config, total_steps), config.run_dir)
+                   lambda rank, master: rank.setup.remote(master, config, total_steps), config.run_dir, placed)
 
     @classmethod
     def for_reward_model(cls, config: RLConfig, placement_group) -> TrainingRanks:

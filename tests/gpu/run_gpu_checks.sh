@@ -4,7 +4,9 @@
 #   --tier minimal  one CUDA GPU, no network: the Python that is there (torch, transformers, megatron-core,
 #                   pytest; no Ray, vLLM, SGLang or transformer-engine). Megatron workers on CUDA in bf16,
 #                   the bridge's export of CUDA tensors, the hf engine on CUDA, an in-process sync and the
-#                   post-sync check. Installs nothing; about 5 minutes, each check bounded by --check-timeout.
+#                   post-sync check. Installs nothing (but --wheels); about 5 minutes, each check bounded by
+#                   --check-timeout. On a machine with no package index, bring megatron-core's wheel
+#                   (tests/gpu/fetch_wheels.sh) and pass its folder with --wheels.
 #   --tier cluster  a node with the GPU extras' wheels reachable: one virtual environment per extra (vLLM,
 #                   SGLang and transformer-engine pin different torch builds), each running its engine's and
 #                   the worker's checks, then every other gpu-marked test there.
@@ -14,9 +16,11 @@ set -euo pipefail
 
 usage() {
     cat <<'EOF'
-Usage: bash tests/gpu/run_gpu_checks.sh [--tier minimal|cluster] [--check-timeout SECONDS] [--list] [-- PYTEST_ARGS...]
+Usage: bash tests/gpu/run_gpu_checks.sh [--tier minimal|cluster] [--wheels DIR] [--check-timeout SECONDS] [--list] [-- PYTEST_ARGS...]
 
   --tier minimal        (default) single GPU, air-gapped: runs with $PYTHON (default: python3), installs nothing
+  --wheels DIR          minimal tier: first unpack DIR/*.whl (from tests/gpu/fetch_wheels.sh) into a temporary
+                        folder ahead of $PYTHON's own packages, without an index or dependencies
   --tier cluster        per extra in $RLMEGA_GPU_EXTRAS (default: "vllm sglang gpu"): a venv
                         $RLMEGA_GPU_VENV_PREFIX-<extra> (default: .venv-gpu-<extra>), pip install -e .[test,<extra>]
   --check-timeout S     wall-clock limit of one check (default: 300)
@@ -30,6 +34,7 @@ EOF
 tier=minimal
 check_timeout=300
 list_only=0
+wheels=""
 pytest_args=()
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -37,6 +42,8 @@ while [ $# -gt 0 ]; do
         --tier=*) tier="${1#--tier=}"; shift ;;
         --check-timeout) [ $# -ge 2 ] || { echo "--check-timeout needs a value" >&2; exit 2; }; check_timeout="$2"; shift 2 ;;
         --check-timeout=*) check_timeout="${1#--check-timeout=}"; shift ;;
+        --wheels) [ $# -ge 2 ] || { echo "--wheels needs a folder" >&2; exit 2; }; wheels="$2"; shift 2 ;;
+        --wheels=*) wheels="${1#--wheels=}"; shift ;;
         --list) list_only=1; shift ;;
         -h|--help) usage; exit 0 ;;
         --) shift; pytest_args=("$@"); break ;;
@@ -45,11 +52,17 @@ while [ $# -gt 0 ]; do
 done
 case "$tier" in minimal|cluster) ;; *) echo "--tier must be minimal or cluster, not '$tier'" >&2; exit 2 ;; esac
 case "$check_timeout" in ''|*[!0-9]*) echo "--check-timeout must be a whole number of seconds" >&2; exit 2 ;; esac
+if [ -n "$wheels" ]; then
+    [ "$tier" = minimal ] || { echo "--wheels is for the minimal tier (the cluster tier installs from an index)" >&2; exit 2; }
+    compgen -G "$wheels/*.whl" >/dev/null || {
+        echo "--wheels: no .whl files in '$wheels' (make them with: bash tests/gpu/fetch_wheels.sh --dest $wheels)" >&2; exit 2; }
+fi
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
 
-# check name -> pytest node ids (space-separated)
+# check name -> pytest node ids (space-separated). A parametrized test named without its parameters runs them all;
+# in one extra's environment the other engine's parameters skip, as do two-GPU ones on one GPU.
 MINIMAL_CHECKS=(
     "worker-logprobs-vs-transformers|tests/gpu/test_worker_gpu.py::test_worker_logprobs_match_hf_on_gpu"
     "worker-bf16-update-vs-fp32-cpu|tests/gpu/test_minimal_tier.py::test_bf16_update_on_gpu_follows_the_fp32_cpu_update"
@@ -68,8 +81,9 @@ engine_checks() {  # the checks of one extra's environment
         vllm|sglang) echo \
             "$1-greedy-and-logprobs-vs-hf|tests/gpu/test_$1_engine.py::test_greedy_and_logprobs_match_hf" \
             "$1-update-sleep-wake|tests/gpu/test_$1_engine.py::test_update_sleep_wake" \
-            "$1-logprobs-vs-trainer|tests/gpu/test_engine_cluster.py::test_engine_logprobs_equal_the_trainer_after_sync[$1]" \
-            "$1-sleep-sync-wake-memory|tests/gpu/test_engine_cluster.py::test_sleep_sync_wake_returns_memory_to_baseline[$1]" ;;
+            "$1-logprobs-vs-trainer|tests/gpu/test_engine_cluster.py::test_engine_logprobs_equal_the_trainer_after_sync" \
+            "$1-sleep-sync-wake-memory|tests/gpu/test_engine_cluster.py::test_sleep_sync_wake_returns_memory_to_baseline[$1]" \
+            "$1-grpo-three-steps|tests/gpu/test_trainer_gpu.py::test_three_grpo_steps_on_gpu" ;;
         gpu) echo \
             "te-thd-partition|tests/gpu/test_context_parallel_te.py" \
             "te-worker-packed-equals-padded|tests/gpu/test_worker_gpu.py::test_packed_update_equals_padded_on_gpu" \
@@ -107,14 +121,45 @@ run_check() {  # python, "name|node ids"
     rm -f "$log"
 }
 
+use_wheels() {  # python: unpack the carried wheels into a temporary folder that comes first on PYTHONPATH
+    [ -n "$wheels" ] || return 0
+    local site; site="$(mktemp -d)"
+    "$1" -m pip install --quiet --no-index --no-deps --no-compile --disable-pip-version-check --target "$site" \
+        "$wheels"/*.whl || {
+        echo "FAIL wheels: $1 could not install $wheels/*.whl (for another Python? make them with" \
+            "tests/gpu/fetch_wheels.sh --python-version $("$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])'))"
+        exit 1; }
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+}
+
+describe_environment() {  # python: one line of the versions the checks run with
+    "$1" - 2>/dev/null <<'EOF' || echo "environment: $1 cannot import torch"
+import platform
+from importlib.metadata import PackageNotFoundError, version
+
+def of(name):
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "absent"
+
+import torch
+gpu = f"{torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}" if torch.cuda.is_available() else "no CUDA device"
+print(f"environment: Python {platform.python_version()}, torch {torch.__version__} ({gpu}), "
+      f"transformers {of('transformers')}, megatron-core {of('megatron-core')}")
+EOF
+}
+
 require_cuda() {
-    "$1" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device visible'" || {
+    "$1" -c "import torch; assert torch.cuda.is_available()" 2>/dev/null || {
         echo "FAIL cuda-visible: $1 sees no CUDA device"; exit 1; }
 }
 
 if [ "$tier" = minimal ]; then
     if [ $list_only -eq 1 ]; then printf '%s\n' "${MINIMAL_CHECKS[@]%%|*}"; exit 0; fi
     python="${PYTHON:-python3}"
+    use_wheels "$python"
+    describe_environment "$python"
     require_cuda "$python"
     for check in "${MINIMAL_CHECKS[@]}"; do run_check "$python" "$check"; done
 else

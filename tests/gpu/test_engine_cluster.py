@@ -1,12 +1,14 @@
 """Cluster tier, per installed engine (tests/gpu/run_gpu_checks.sh --tier cluster): a Megatron actor and a
 real vLLM / SGLang engine on one GPU, in this process. After a sync the engine's log-probs equal the
-trainer's (the post-sync check, fp32 on both sides, LOGPROB_ATOL as in engine_checks.py); sleep -> sync ->
+trainer's, for a tiny Llama, Qwen2 and Qwen3-MoE (the post-sync check, fp32 on both sides, LOGPROB_ATOL as in engine_checks.py); sleep -> sync ->
 wake twice brings the device's free memory back to where it was awake, within MEMORY_SLACK_BYTES (the
 caching allocators' rounding), and the second cycle leaks nothing the first did not.
 
 The CPU contract of this path (push_weights in-process, then post_sync_check) is
 test_sync_contract_on_cpu in test_minimal_tier.py, with the hf engine in the engine's place.
 """
+
+import gc
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from rlmega.parallel.layout import ParallelLayout, destroy, initialize
 from rlmega.parallel.spawn import free_port
 from rlmega.sync import post_sync_check, push_weights, require_version
 
-from .conftest import PROMPTS
+from .conftest import ENGINE_MODELS, PROMPTS
 from .engine_checks import LOGPROB_ATOL
 from .minimal_checks import actor, train_once
 
@@ -44,7 +46,13 @@ ENGINES = {"vllm": _vllm, "sglang": _sglang}
 
 
 @pytest.fixture
-def trained_actor(monkeypatch, gpu_llama_dir):
+def kind():
+    """The model kind of a test (``conftest.CONFIGS``); tests parametrize it."""
+    return "llama"
+
+
+@pytest.fixture
+def trained_actor(monkeypatch, gpu_model_dirs, kind):
     """An fp32 actor on cuda:0 after one update, so its weights are neither checkpoint's."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -53,15 +61,16 @@ def trained_actor(monkeypatch, gpu_llama_dir):
     torch.cuda.set_device(0)
     torch.backends.cuda.matmul.allow_tf32 = False
     initialize(ParallelLayout())
-    worker = actor(gpu_llama_dir, "fp32")
+    worker = actor(gpu_model_dirs(kind), "fp32")
     train_once(worker)
     yield worker
     destroy(including_default_group=True)
 
 
 @pytest.fixture(params=sorted(ENGINES))
-def engine(request, gpu_llama_other_dir, trained_actor):
-    engine = ENGINES[request.param](gpu_llama_other_dir)
+def engine(request, gpu_model_dirs, kind, trained_actor):
+    gc.collect()  # the previous test's engine: vLLM's engine-core process ends with its last reference
+    engine = ENGINES[request.param](gpu_model_dirs(kind, 1))  # other weights than the actor's
     yield engine
     shutdown = getattr(engine, "shutdown", None)
     if shutdown is not None:
@@ -74,6 +83,7 @@ def _free_bytes() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
+@pytest.mark.parametrize("kind", ENGINE_MODELS)
 def test_engine_logprobs_equal_the_trainer_after_sync(trained_actor, engine):
     push_weights(trained_actor.chunks, trained_actor.spec, engine, version=1, transport="in_process")
     require_version(engine, 1)

@@ -15,6 +15,7 @@ import torch
 
 from rlmega.parallel.spawn import run_on_ranks
 
+from .conftest import ENGINE_MODELS
 from .minimal_checks import (distributed_optimizer_body, export_body, hf_engine_check, offload_body, sync_body,
                              update_body)
 
@@ -149,13 +150,15 @@ def _check_sync(result: dict) -> None:
 
 
 @pytest.mark.gpu
-def test_in_process_sync_and_post_sync_check_in_bf16(gpu_llama_dir, gpu_llama_other_dir):
-    result = _on_rank(sync_body, gpu_llama_dir, gpu_llama_other_dir, "bf16", SYNC_ATOL_BF16)
+@pytest.mark.parametrize("kind", ENGINE_MODELS)
+def test_in_process_sync_and_post_sync_check_in_bf16(gpu_model_dirs, kind):
+    result = _on_rank(sync_body, gpu_model_dirs(kind), gpu_model_dirs(kind, 1), "bf16", SYNC_ATOL_BF16)
     _check_sync(result)
     assert result["worst"] <= SYNC_ATOL_BF16
 
 
-def test_sync_contract_on_cpu(gpu_llama_dir, gpu_llama_other_dir, cpu_only_children):
-    result = _on_rank(sync_body, gpu_llama_dir, gpu_llama_other_dir, "fp32", SYNC_ATOL_FP32)
+@pytest.mark.parametrize("kind", ENGINE_MODELS)
+def test_sync_contract_on_cpu(gpu_model_dirs, kind, cpu_only_children):
+    result = _on_rank(sync_body, gpu_model_dirs(kind), gpu_model_dirs(kind, 1), "fp32", SYNC_ATOL_FP32)
     _check_sync(result)
     assert result["worst"] <= SYNC_ATOL_FP32

@@ -1,10 +1,12 @@
-"""The real SGLang 0.5.23 behind SGLangEngine on a tiny Llama: greedy equals HF, temperature-scaled log-probs (without
-SGLANG_RETURN_ORIGINAL_LOGPROB), weight updates, sleep/wake. Needs CUDA and `pip install -e .[sglang]`
+"""The real SGLang 0.5.23 behind SGLangEngine on a tiny Llama, Qwen2 and Qwen3-MoE: greedy equals HF,
+temperature-scaled log-probs (without SGLANG_RETURN_ORIGINAL_LOGPROB); on the Llama, weight updates and
+sleep/wake. Needs CUDA and `pip install -e .[sglang]`
 (tests/gpu/run_gpu_checks.sh). Its CPU contract twin, test_the_gpu_fixture_arguments_are_accepted in
 tests/rollout/test_sglang_adapter.py, builds the fake engine with ENGINE_KWARGS."""
 
 import pytest
 
+from .conftest import ENGINE_MODELS
 from .engine_checks import check_greedy_and_sampled_logprobs, check_update_sleep_wake
 
 pytestmark = pytest.mark.gpu
@@ -15,19 +17,23 @@ ENGINE_KWARGS = dict(dtype="float32", mem_fraction_static=0.3, disable_cuda_grap
                      enable_deterministic_inference=True, attention_backend="triton", sampling_backend="pytorch")
 
 
-@pytest.fixture(scope="module")
-def engine(gpu_llama_dir):
+@pytest.fixture(scope="module", params=ENGINE_MODELS)
+def engine(request, gpu_model_dirs):
+    """One engine per model kind, each in turn (a module-scoped parametrized fixture is torn down before the
+    next kind's starts)."""
     pytest.importorskip("sglang")
     from rlmega.rollout.sglang_engine import SGLangEngine
 
-    engine = SGLangEngine(gpu_llama_dir, **ENGINE_KWARGS)
+    engine = SGLangEngine(gpu_model_dirs(request.param), **ENGINE_KWARGS)
+    engine.kind = request.param
     yield engine
     engine.shutdown()
 
 
-def test_greedy_and_logprobs_match_hf(engine, gpu_llama_dir):
-    check_greedy_and_sampled_logprobs(engine, gpu_llama_dir)
+def test_greedy_and_logprobs_match_hf(engine, gpu_model_dirs):
+    check_greedy_and_sampled_logprobs(engine, gpu_model_dirs(engine.kind))
 
 
+@pytest.mark.parametrize("engine", ["llama"], indirect=True)
 def test_update_sleep_wake(engine, gpu_llama_dir, gpu_llama_other_dir):
     check_update_sleep_wake(engine, gpu_llama_dir, gpu_llama_other_dir)

@@ -81,6 +81,7 @@ class FakeActor:
     def __init__(self, shift: float = 0.0):
         self.shift = shift
         self.logprob_batches, self.updates, self.sft_batches, self.pushed, self.checked = [], [], [], [], []
+        self.atols: list[float] = []
 
     def compute_logprobs(self, batch):
         self.logprob_batches.append(batch)
@@ -108,9 +109,10 @@ class FakeActor:
         engines.version = version
         return SyncStats(version=version, tensors=1, bytes=8, seconds=1.0)
 
-    def post_sync_check(self, engines, probes, version: int) -> float:
-        assert engines.version == version and probes
+    def post_sync_check(self, engines, probes, version: int, atol: float) -> float:
+        assert engines.version == version and probes and atol > 0
         self.checked.append(version)
+        self.atols.append(atol)
         return 0.0
 
 

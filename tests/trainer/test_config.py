@@ -66,6 +66,7 @@ def test_overrides_and_algorithm_groups_apply(run_dir):
     ("data.files=[/nonexistent.parquet]", "data.files"),
     ("rollout.n=1", "rollout.n"),
     ("actor.optimizer.lr_schedule=sawtooth", "lr_schedule"),
+    ("sync.post_sync_atol=0", "sync.post_sync_atol: must be > 0 (null: chosen by the run's precision)"),
 ])
 def test_bad_values_are_refused_by_name(run_dir, override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -98,6 +99,24 @@ def test_engine_fields_reach_each_backend_by_its_own_names(run_dir):
         load_config("tiny_cpu", [*common, "rollout.backend=sglang", "+rollout.engine_kwargs.tp_size=2"])
     with pytest.raises(ConfigError, match="needs that many GPUs, got 2"):
         load_config("tiny_cpu", [*common, "rollout.backend=vllm", "rollout.gpus_per_engine=2"])
+
+
+@pytest.mark.parametrize("overrides, atol", [
+    ([], 1e-3),  # CPU: fp32 trainer, fp32 hf engine
+    (["cluster.gpus_per_rank=1", "rollout.gpus_per_engine=1"], 0.5),  # CUDA: bf16 on both sides by default
+    (["cluster.gpus_per_rank=1", "actor.dtype=fp32", "rollout.gpus_per_engine=1",
+      "+rollout.engine_kwargs.dtype=float32"], 1e-3),
+    (["cluster.gpus_per_rank=1", "actor.dtype=fp32", "rollout.gpus_per_engine=1"], 0.5),  # hf engine in bf16
+    (["cluster.gpus_per_rank=1", "actor.dtype=fp32", "rollout.backend=vllm", "rollout.gpus_per_engine=1"], 0.5),
+    (["cluster.gpus_per_rank=1", "actor.dtype=fp32", "rollout.backend=sglang", "rollout.gpus_per_engine=1",
+      "+rollout.engine_kwargs.dtype=float32"], 1e-3),
+    (["actor.dtype=bf16"], 0.5),
+    (["cluster.gpus_per_rank=1", "rollout.gpus_per_engine=1", "sync.post_sync_atol=0.05"], 0.05),
+])
+def test_the_post_sync_tolerance_follows_the_precision_of_both_sides(run_dir, overrides, atol):
+    # A joined cluster provides the GPUs (this machine may have none).
+    config = load_config("tiny_cpu", [f"run_dir={run_dir}", "cluster.ray_address=auto", *overrides])
+    assert config.post_sync_atol() == atol
 
 
 def test_missing_model_names_the_field(tmp_path):

@@ -70,6 +70,7 @@ def test_grpo_loop_calls_each_part_with_the_right_data(tmp_path, assets):
     assert len(actor.sft_batches) == 1 and actor.sft_batches[0][1] == trainer.config.trainer.sft_lr
     assert reference.copied == 1  # the reference is the warm-started actor
     assert [version for version, _ in actor.pushed] == actor.checked == [0, 1, 2, 3]
+    assert actor.atols == [1e-3] * 4  # fp32 on both sides
     assert all(sync is trainer.config.sync for _, sync in actor.pushed)
     assert job.offloads == [True, False] * STEPS  # colocated: training offloaded while engines generate
     assert [params.temperature for params in engines.calls] == [0.7] * STEPS
@@ -118,9 +119,10 @@ def test_one_step_batches_take_the_old_logprobs_from_the_update(tmp_path, assets
 
 
 def test_post_sync_check_at_its_cadence_and_always_first(tmp_path, assets):
-    trainer, parts = _trainer(tmp_path, assets, "algo=grpo", "sync.check_every=2")
+    trainer, parts = _trainer(tmp_path, assets, "algo=grpo", "sync.check_every=2", "sync.post_sync_atol=0.2")
     trainer.fit()
     assert parts["actor"].checked == [0, 2]  # the first sync, then every second
+    assert parts["actor"].atols == [0.2, 0.2]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert ["sync/max_logprob_diff" in row for row in rows] == [False, True, False]
 
