@@ -85,15 +85,17 @@ class ImagePrompts:
         size = dict(self.image_processor.size)  # {"shortest_edge": min pixels, "longest_edge": max pixels}
         size.update({key: value for key, value in (("shortest_edge", min_pixels), ("longest_edge", max_pixels))
                      if value})
-        grids = self.image_processor(images=images, return_tensors="pt", size=size)["image_grid_thw"].long()
+        encoded = self.image_processor(images=images, return_tensors="pt", size=size)
+        grids = encoded["image_grid_thw"].long()
         # The patches are those of the images resized to their grids, which the engines get: the processor's own
         # resize of the originals differs from PIL's in the last bits where it is torchvision's, while resizing an
-        # image to its own size changes nothing in either backend, so both sides patch the same pixels.
+        # image to its own size changes nothing in either backend, so both sides patch the same pixels. Unless
+        # min and max pixels are too close for an image's shape: its grid is then not the processor's fixed point
+        # (a resized image would be resized again, to another grid), and the originals' patches stay.
         resized = self._resized(images, grids)
-        encoded = self.image_processor(images=resized, return_tensors="pt", size=size)
-        if not encoded["image_grid_thw"].long().equal(grids):
-            raise ValueError(f"the image processor changed the grids of resized images: {grids.tolist()} -> "
-                             f"{encoded['image_grid_thw'].tolist()}")
+        again = self.image_processor(images=resized, return_tensors="pt", size=size)
+        if again["image_grid_thw"].long().equal(grids):
+            encoded = again
         pieces = text.split(self.image_token)
         if len(pieces) - 1 != len(images):
             raise ValueError(f"{len(pieces) - 1} image tokens in the prompt for {len(images)} images")

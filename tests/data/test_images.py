@@ -72,6 +72,30 @@ def test_images_become_pad_tokens_and_patches(processor, tmp_path):
     assert third.images is None and pad not in third.prompt_token_ids
 
 
+def test_patches_come_from_the_images_the_engines_get_where_that_keeps_the_grid(processor, tmp_path):
+    """The patches are those of the resized image sent to the engines (so the same pixels whichever resize backend
+    the processor uses); where min and max pixels are so close that resizing the resized image again changes its
+    grid (300x420 -> 8x16 px, which max 256 px then makes 16x24), the original's patches stay, and nothing fails."""
+    from PIL import Image
+
+    def processed(image_bytes, **size):
+        return processor.image_processor(images=[Image.open(io.BytesIO(image_bytes)).convert("RGB")],
+                                         return_tensors="pt", **size)
+
+    original = _png(300, 420, seed=4)
+    path = write_rows([_row("<image>?", [_png(37, 23, seed=3)]), _row("<image>?", [original])],
+                      tmp_path / "rows.parquet")
+    for record in _load(processor, path).records:
+        again = processed(record.images.images[0])
+        assert again["image_grid_thw"].tolist() == record.images.grid_thw.tolist()
+        assert torch.equal(again["pixel_values"].float(), record.images.pixel_values)
+    tight = {"size": {"shortest_edge": 256, "longest_edge": 256}}
+    (record,) = _load(processor, path, min_pixels=256, max_pixels=256).records[1:]
+    assert record.images.grid_thw.tolist() == [[1, 2, 4]]
+    assert processed(record.images.images[0], **tight)["image_grid_thw"].tolist() == [[1, 4, 6]]
+    assert torch.equal(processed(original, **tight)["pixel_values"].float(), record.images.pixel_values)
+
+
 def test_pixel_limits_resize_the_images(processor, tmp_path):
     path = write_rows([_row("<image>?", [_png(64, 64)])], tmp_path / "rows.parquet")
     small = _load(processor, path, max_pixels=16 * 16).records[0]
