@@ -144,7 +144,7 @@ def validate(config: RLConfig) -> None:
         _require(rollout.backend != "hf" or getattr(rollout, field) == 1, f"rollout.{field}",
                  "the hf engine runs on one device; engine parallelism needs rollout.backend=vllm or sglang")
     _require(0 < rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]")
-    engine_gpus = rollout.tensor_parallel_size * rollout.data_parallel_size
+    engine_gpus = rollout.gpus_of_one_engine
     _require(rollout.backend == "hf" or rollout.gpus_per_engine in (0, engine_gpus), "rollout.gpus_per_engine",
              f"an engine with tensor_parallel_size x data_parallel_size = {engine_gpus} needs that many GPUs, "
              f"got {rollout.gpus_per_engine}")

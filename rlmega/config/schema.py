@@ -101,6 +101,11 @@ class RolloutConfig:
     new weights from where they stopped (each token records the version that produced it), ``restart``
     throws the partial response away and generates it again."""
 
+    @property
+    def gpus_of_one_engine(self) -> int:
+        """The GPUs one engine runs on: its tensor x data parallel size."""
+        return self.tensor_parallel_size * self.data_parallel_size
+
     def computes_in_fp32(self) -> bool:
         """Whether the engines compute in fp32: ``engine_kwargs.dtype`` when given; else the hf engine on CPU
         does, and vLLM / SGLang on their "auto" dtype do not (both serve a float32 checkpoint in bf16)."""

@@ -102,7 +102,7 @@ def _senders(layout, positions: list[dict], gpus_per_node: int) -> list[dict]:
 def _engine_gpus(config, layout) -> list[list[int]]:
     """Global GPU indices of each engine: colocated, packed onto the trainer's GPUs; disaggregated, after them."""
     rollout = config.rollout
-    size = rollout.tensor_parallel_size * rollout.data_parallel_size
+    size = rollout.gpus_of_one_engine
     start = 0 if rollout.placement == "colocated" else layout.world_size
     return [list(range(start + e * size, start + (e + 1) * size)) for e in range(rollout.num_engines)]
 

@@ -103,7 +103,7 @@ def start_workers(config: RLConfig, *, with_rollout: bool = True):
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from rlmega.trainer.engine_devices import colocated_engine_places, engine_gpu_count, shares_rank_gpus
+    from rlmega.trainer.engine_devices import colocated_engine_places, shares_rank_gpus
     from rlmega.trainer.rollout_group import RolloutGroup
     from rlmega.trainer.training_group import TrainingRanks
 
@@ -136,7 +136,7 @@ def start_workers(config: RLConfig, *, with_rollout: bool = True):
     placed = None
     if with_rollout and shares_rank_gpus(config):
         placed = lambda nodes: start_engines(  # noqa: E731
-            colocated_engine_places(nodes, config.rollout.num_engines, engine_gpu_count(config)))
+            colocated_engine_places(nodes, config.rollout.num_engines, config.rollout.gpus_of_one_engine))
     elif with_rollout:
         start_engines()
     try:

@@ -39,10 +39,6 @@ def shares_rank_gpus(config: RLConfig) -> bool:
             and config.cluster.gpus_per_rank > 0)
 
 
-def engine_gpu_count(config: RLConfig) -> int:
-    return config.rollout.tensor_parallel_size * config.rollout.data_parallel_size
-
-
 def colocated_engine_places(ranks: list[dict], num_engines: int, gpus_per_engine: int) -> list[EnginePlace]:
     """Where each of ``num_engines`` engines of ``gpus_per_engine`` GPUs runs, from the training ranks'
     ``{"rank", "node_id", "gpus"}`` (``gpus``: the rank's CUDA_VISIBLE_DEVICES). An engine's ranks must be on

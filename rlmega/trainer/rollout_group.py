@@ -152,9 +152,8 @@ def _engine(config: RLConfig) -> tuple[type, dict]:
         return HFEngine, arguments
     if rollout.backend == "vllm":
         from rlmega.rollout.vllm_engine import VLLMEngine
-        from rlmega.trainer.engine_devices import engine_gpu_count
 
-        if engine_gpu_count(config) > 1:
+        if rollout.gpus_of_one_engine > 1:
             # vLLM 0.33 picks its Ray executor for tp x dp > 1 inside a placement group (vllm/config/parallel.py),
             # whose workers would wait for GPUs this actor, or colocated the training ranks, already hold; its
             # multiprocessing executor starts them on the GPUs this actor sees.

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
+from rollout.test_engine_pins import needs_index, setup_requirements  # setup.py's pins, the index's reachability
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNNER = ROOT / "tests" / "gpu" / "run_gpu_checks.sh"
@@ -106,13 +107,7 @@ def test_the_runner_refuses_an_empty_wheels_folder(tmp_path):
                                      f"(make them with: bash tests/gpu/fetch_wheels.sh --dest {tmp_path})")
 
 
-def _index_reachable() -> bool:
-    result = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "packaging"], capture_output=True,
-                            text=True, timeout=120)
-    return result.returncode == 0
-
-
-@pytest.mark.skipif(not _index_reachable(), reason="the package index is not reachable")
+@needs_index
 def test_fetch_wheels_brings_megatron_core_for_the_gpu_machines_python(tmp_path):
     result = subprocess.run(["bash", str(ROOT / "tests" / "gpu" / "fetch_wheels.sh"), "--python-version", "3.12",
                              "--dest", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=LIMIT_S)
@@ -120,13 +115,6 @@ def test_fetch_wheels_brings_megatron_core_for_the_gpu_machines_python(tmp_path)
     wheels = sorted(path.name for path in tmp_path.glob("*.whl"))
     assert len(wheels) == 1 and wheels[0].startswith("megatron_core-"), wheels
     assert "-cp312-cp312-" in wheels[0] and "x86_64" in wheels[0], wheels
-    pinned = next(Requirement(r) for r in _install_requires() if r.startswith("megatron-core"))
+    pinned = next(Requirement(r) for r in setup_requirements()[0] if r.startswith("megatron-core"))
     assert Version(wheels[0].split("-")[1]) in pinned.specifier, (wheels, pinned)
     assert result.stdout.rstrip().endswith(f"bash tests/gpu/run_gpu_checks.sh --wheels {tmp_path}"), result.stdout
-
-
-def _install_requires() -> list[str]:
-    for node in ast.parse((ROOT / "setup.py").read_text()).body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "INSTALL_REQUIRES":
-            return ast.literal_eval(node.value)
-    raise AssertionError("setup.py has no INSTALL_REQUIRES")

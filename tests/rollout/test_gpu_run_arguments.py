@@ -17,21 +17,33 @@ from .fakes import fake_sglang, fake_vllm, one_thread
 FAKES = {"vllm": fake_vllm, "sglang": fake_sglang}
 
 
-@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
-@pytest.mark.parametrize("backend", sorted(FAKES))
-def test_the_gpu_runs_configs_and_engine_arguments_are_accepted(tmp_path, monkeypatch, tiny_assets, backend,
-                                                                placement):
-    from gpu.test_trainer_gpu import ENGINE_KWARGS, PLACEMENTS, run_overrides
+@pytest.fixture
+def gpu_run_config(tmp_path, monkeypatch, tiny_assets):
+    """``gpu_run_config(backend, placement, *more_overrides)``: the config of tests/gpu/test_trainer_gpu.py's run, with
+    the fake engine installed and four GPUs declared on this machine."""
+    from gpu.test_trainer_gpu import run_overrides
 
-    assert sorted(ENGINE_KWARGS) == sorted(FAKES) and sorted(PLACEMENTS) == ["colocated", "disaggregated"]
-    monkeypatch.setitem(sys.modules, backend, FAKES[backend])
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     monkeypatch.delenv(fake_sglang.RAW_LOGPROB_ENV, raising=False)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "assets").symlink_to(tiny_assets(num_train=16, num_val=8))
-    config = load_config("tiny_cpu", ["tiny_assets=true", *run_overrides(backend, placement, run_dir)])
+
+    def config(backend, placement, *overrides):
+        monkeypatch.setitem(sys.modules, backend, FAKES[backend])
+        return load_config("tiny_cpu", ["tiny_assets=true", *run_overrides(backend, placement, run_dir), *overrides])
+
+    return config
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+@pytest.mark.parametrize("backend", sorted(FAKES))
+def test_the_gpu_runs_configs_and_engine_arguments_are_accepted(gpu_run_config, backend, placement):
+    from gpu.test_trainer_gpu import ENGINE_KWARGS, PLACEMENTS
+
+    assert sorted(ENGINE_KWARGS) == sorted(FAKES) and sorted(PLACEMENTS) == ["colocated", "disaggregated"]
+    config = gpu_run_config(backend, placement)
     assert config.rollout.backend == backend and config.rollout.placement == placement
     assert config.post_sync_atol() == POST_SYNC_ATOL_BF16
     engine_class, arguments = _engine(config)
@@ -45,21 +57,11 @@ def test_the_gpu_runs_configs_and_engine_arguments_are_accepted(tmp_path, monkey
 
 @pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
 @pytest.mark.parametrize("engine_gpus, backend", [(1, None), (2, "mp")])
-def test_a_vllm_engine_over_several_gpus_runs_its_own_processes(tmp_path, monkeypatch, tiny_assets, placement,
-                                                                engine_gpus, backend):
+def test_a_vllm_engine_over_several_gpus_runs_its_own_processes(gpu_run_config, placement, engine_gpus, backend):
     """Inside our actor (in a placement group) vLLM would pick its Ray executor, whose workers wait for GPUs
     that are already held; the multiprocessing one starts them on the GPUs the actor sees."""
-    from gpu.test_trainer_gpu import run_overrides
-
-    monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "assets").symlink_to(tiny_assets(num_train=16, num_val=8))
     gpus = [f"rollout.gpus_per_engine={engine_gpus}"] if placement == "disaggregated" else ["layout.world_size=2"]
-    config = load_config("tiny_cpu", ["tiny_assets=true", *run_overrides("vllm", placement, run_dir),
-                                      f"rollout.tensor_parallel_size={engine_gpus}", *gpus])
+    config = gpu_run_config("vllm", placement, f"rollout.tensor_parallel_size={engine_gpus}", *gpus)
     engine_class, arguments = _engine(config)
     assert arguments.get("distributed_executor_backend") == backend
     with one_thread():
