@@ -1,6 +1,6 @@
 """Tiny checkpoints that real vLLM and SGLang can serve (head_dim 64, fp32-friendly): a Llama, a second one
 with other weights for updates, a Qwen2 (attention biases) and a Qwen3-MoE (four experts, two per token,
-q/k norms). ``engine_model_dir`` is each of the three in turn."""
+q/k norms). ``gpu_model_dirs(kind, seed)`` makes any of them; ``ENGINE_MODELS`` names the kinds."""
 
 import pytest
 import torch
