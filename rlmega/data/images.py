@@ -85,17 +85,19 @@ class ImagePrompts:
         size = dict(self.image_processor.size)  # {"shortest_edge": min pixels, "longest_edge": max pixels}
         size.update({key: value for key, value in (("shortest_edge", min_pixels), ("longest_edge", max_pixels))
                      if value})
-        encoded = self.image_processor(images=images, return_tensors="pt", size=size)
-        grids = encoded["image_grid_thw"].long()
-        # The patches are those of the images resized to their grids, which the engines get: the processor's own
+        grids = self.image_processor(images=images, return_tensors="pt", size=size)["image_grid_thw"].long()
+        # The patches are those of the images resized to their grids, which the engines get, patched within pixel
+        # limits that keep each at its size (as vLLM is asked to: rlmega.rollout.vllm_engine): the processor's own
         # resize of the originals differs from PIL's in the last bits where it is torchvision's, while resizing an
-        # image to its own size changes nothing in either backend, so both sides patch the same pixels. Unless
-        # min and max pixels are too close for an image's shape: its grid is then not the processor's fixed point
-        # (a resized image would be resized again, to another grid), and the originals' patches stay.
+        # image to its own size changes nothing in either backend, so both sides patch the same pixels. The
+        # dataset's limits would not do: where they are close for an image's shape, the resized image's area falls
+        # outside them and it would be resized again, to another grid.
         resized = self._resized(images, grids)
-        again = self.image_processor(images=resized, return_tensors="pt", size=size)
-        if again["image_grid_thw"].long().equal(grids):
-            encoded = again
+        encoded = self.image_processor(images=resized, return_tensors="pt", size=keeping_sizes(resized))
+        if not encoded["image_grid_thw"].long().equal(grids):
+            raise RuntimeError(f"{type(self.image_processor).__name__} changed the grids of images already resized to "
+                               f"them ({grids.tolist()} -> {encoded['image_grid_thw'].tolist()}); rlmega's image "
+                               "prompts need a Qwen2-VL-style processor, which keeps such images as they are")
         pieces = text.split(self.image_token)
         if len(pieces) - 1 != len(images):
             raise ValueError(f"{len(pieces) - 1} image tokens in the prompt for {len(images)} images")
@@ -111,6 +113,13 @@ class ImagePrompts:
         resample = getattr(self.image_processor, "resample", None)
         return [image.resize((width * patch, height * patch), resample=resample)
                 for image, (_, height, width) in zip(images, grids.tolist())]
+
+
+def keeping_sizes(images: list) -> dict:
+    """Pixel limits under which Qwen2-VL's resize keeps every one of ``images`` (each already a whole number of
+    merged patches) at its size: the smallest and largest of their areas."""
+    areas = [image.size[0] * image.size[1] for image in images]
+    return {"shortest_edge": min(areas), "longest_edge": max(areas)}
 
 
 def _png(image) -> bytes:

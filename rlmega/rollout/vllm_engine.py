@@ -42,6 +42,7 @@ from rlmega.rollout.engine_common import (
 from rlmega.rollout.protocol import SamplingParams
 from rlmega.rollout.weight_group import WeightMeta
 from rlmega.data.schema import ImageInputs
+from rlmega.data.images import keeping_sizes
 
 SUPPORTED_VERSIONS = ((0, 33), (0, 34))  # setup.py's `vllm` extra: vllm>=0.33,<0.34
 WORKER_EXTENSION = "rlmega.rollout.vllm_engine.VLLMWorkerExtension"
@@ -148,9 +149,9 @@ def _vllm_prompt(prompt: list[int], item: ImageInputs | None, facts: ModelFacts)
         if picture.size != (width * facts.patch_size, height * facts.patch_size):
             raise ValueError(f"an image of {picture.size[0]}x{picture.size[1]} pixels for grid {[height, width]} of "
                              f"{facts.patch_size}-pixel patches: ImageInputs.images must hold the resized images")
-    areas = [picture.size[0] * picture.size[1] for picture in pictures]
+    limits = keeping_sizes(pictures)
     return {"prompt_token_ids": collapsed, "multi_modal_data": {"image": pictures},
-            "mm_processor_kwargs": {"min_pixels": min(areas), "max_pixels": max(areas)}}
+            "mm_processor_kwargs": {"min_pixels": limits["shortest_edge"], "max_pixels": limits["longest_edge"]}}
 
 
 def _vllm_generate(llm, prompts: list[dict], sampling_params: list) -> list[EngineResponse]:

@@ -72,11 +72,14 @@ def test_images_become_pad_tokens_and_patches(processor, tmp_path):
     assert third.images is None and pad not in third.prompt_token_ids
 
 
-def test_patches_come_from_the_images_the_engines_get_where_that_keeps_the_grid(processor, tmp_path):
-    """The patches are those of the resized image sent to the engines (so the same pixels whichever resize backend
-    the processor uses); where min and max pixels are so close that resizing the resized image again changes its
-    grid (300x420 -> 8x16 px, which max 256 px then makes 16x24), the original's patches stay, and nothing fails."""
+def test_patches_come_from_the_images_the_engines_get(processor, tmp_path):
+    """The patches are those of the resized image sent to the engines, patched within limits that keep it at its size
+    (the limits vLLM is given), so the same pixels whichever resize backend the processor uses. That holds where the
+    dataset's min and max pixels are so close that they would resize the resized image again to another grid
+    (300x420 -> 8x16 px, which min 256 px would make 16x24)."""
     from PIL import Image
+
+    from rlmega.data.images import keeping_sizes
 
     def processed(image_bytes, **size):
         return processor.image_processor(images=[Image.open(io.BytesIO(image_bytes)).convert("RGB")],
@@ -91,9 +94,12 @@ def test_patches_come_from_the_images_the_engines_get_where_that_keeps_the_grid(
         assert torch.equal(again["pixel_values"].float(), record.images.pixel_values)
     tight = {"size": {"shortest_edge": 256, "longest_edge": 256}}
     (record,) = _load(processor, path, min_pixels=256, max_pixels=256).records[1:]
-    assert record.images.grid_thw.tolist() == [[1, 2, 4]]
-    assert processed(record.images.images[0], **tight)["image_grid_thw"].tolist() == [[1, 4, 6]]
-    assert torch.equal(processed(original, **tight)["pixel_values"].float(), record.images.pixel_values)
+    assert record.images.grid_thw.tolist() == [[1, 2, 4]] == processed(original, **tight)["image_grid_thw"].tolist()
+    (sent,) = record.images.images
+    assert processed(sent, **tight)["image_grid_thw"].tolist() == [[1, 4, 6]]  # the dataset's limits would re-grid
+    kept = processed(sent, size=keeping_sizes([Image.open(io.BytesIO(sent))]))
+    assert kept["image_grid_thw"].tolist() == [[1, 2, 4]]
+    assert torch.equal(kept["pixel_values"].float(), record.images.pixel_values)
 
 
 def test_pixel_limits_resize_the_images(processor, tmp_path):
