@@ -95,6 +95,10 @@ RULE_CASES = [
         _set_version("transformer-engine", "2.8.0"),
         "pip uninstall transformer-engine",
     ),
+    ("transformer_engine_untested", _set_version("transformer-engine", "2.8.0"),
+     "pip install 'transformer-engine[pytorch]>=2.9,<2.12'"),
+    ("transformer_engine_untested", _set_version("transformer-engine", "2.20.0"),
+     "pip install 'transformer-engine[pytorch]>=2.9,<2.12'"),
     ("vllm_without_cuda", _set_version("vllm", "0.11.0"), "pip uninstall vllm"),
     ("sglang_without_cuda", _set_version("sglang", "0.5.3"), "pip uninstall sglang"),
     ("vllm_unsupported", _set_version("vllm", "0.11.0"), "pip install 'vllm>=0.33,<0.34'"),
@@ -129,7 +133,7 @@ def test_gpu_only_packages_are_fine_with_a_gpu():
     report["cuda"].update(available=True, built_with="12.8", device_count=1, devices=["H200"])
     report["cpu_platform"]["redirects_apply"] = False
     report["cpu_platform"].update(megatron_core_checked=False, refusal="unchecked")  # GPU: irrelevant
-    for package, version in (("transformer-engine", "1.0.0"), ("vllm", "0.33.0"), ("sglang", "0.5.23")):
+    for package, version in (("transformer-engine", "2.11.0"), ("vllm", "0.33.0"), ("sglang", "0.5.23")):
         report["packages"][package]["version"] = version
     report["packages"]["apex"]["version"] = "0.1"
     report["apex"] = {"installed": True, "nvidia": True}

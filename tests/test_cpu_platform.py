@@ -94,6 +94,25 @@ def test_cuda_runtime_calls_have_cpu_meanings():
     assert run_on_ranks(_cuda_stand_ins, 1, timeout_s=60) == [(0, True)]
 
 
+def _compiled_function_runs(rank, world_size):
+    from megatron.core.jit import jit_fuser
+
+    compiled = []
+
+    def recording_backend(graph, example_inputs):
+        compiled.append(graph)
+        return graph.forward
+
+    scale = torch.compile(lambda x: x * 2 + 1, backend=recording_backend)
+    fused = jit_fuser(lambda x: torch.sigmoid(x) * x)  # how Megatron wraps its fusions (torch.compile)
+    x = torch.arange(4.0)
+    return torch.equal(scale(x), x * 2 + 1), torch.equal(fused(x), torch.sigmoid(x) * x), len(compiled)
+
+
+def test_compiled_functions_run_eagerly_needing_no_cpp_compiler():
+    assert run_on_ranks(_compiled_function_runs, 1, timeout_s=120) == [(True, True, 0)]
+
+
 def _rng_tracker_streams(rank, world_size):
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 

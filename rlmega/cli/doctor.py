@@ -239,6 +239,12 @@ RULES = (
         "fix: pip uninstall transformer-engine transformer-engine-torch, or make the GPU visible",
     ),
     Rule(
+        "transformer_engine_untested",
+        lambda r: _outside(_version(r, "transformer-engine"), (2, 9), (2, 12)),
+        "transformer-engine {transformer-engine} is outside >=2.9,<2.12, the range megatron-core 0.16 was tested "
+        "with; fix: pip install 'transformer-engine[pytorch]>=2.9,<2.12' (or rlmega's gpu extra)",
+    ),
+    Rule(
         "vllm_without_cuda",
         _gpu_only_without_cuda("vllm"),
         "vllm {vllm} is installed but torch sees no GPU, and vllm is GPU-only; "

@@ -271,6 +271,13 @@ def _patch_moe():
     token_dispatcher.maybe_move_tensor_to_cpu = move_to_host
 
 
+def _run_fusions_eagerly():
+    # Megatron wraps its fused kernels (the expert-bias update of DeepSeek routing, bias-activation fusions) in
+    # torch.compile. On CPU, inductor needs a C++ compiler, which slim images lack (InvalidCxxCompiler), and
+    # compiles per shape for seconds (14 s of a 21 s DeepSeek MTP step here) to fuse kilobytes: run them as written.
+    torch.compiler.set_stance("force_eager")
+
+
 def _patch_torch_norm():
     # The torch norm refuses sequence parallel although per-token norms shard fine along the
     # sequence; allow it and mark the weights so their gradients are all-reduced over TP.
@@ -395,6 +402,7 @@ def enable() -> bool:
     _patch_autograd_backward()
     _patch_rng_tracker()
     _patch_moe()
+    _run_fusions_eagerly()
     _patch_torch_norm()
     _patch_pipeline_p2p()
     _patch_mla_without_te()

@@ -242,6 +242,7 @@ def initialize(layout: ParallelLayout, *, timeout_s: float = 300.0, seed: int = 
     from megatron.core import parallel_state
 
     from rlmega.parallel import cpu_platform
+    from rlmega.parallel.gloo_interface import bind_gloo_where_ranks_meet
 
     if not dist.is_initialized():
         missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
@@ -250,6 +251,7 @@ def initialize(layout: ParallelLayout, *, timeout_s: float = 300.0, seed: int = 
                 f"torch.distributed is not initialised and {', '.join(missing)} not set; "
                 "launch with torchrun or call torch.distributed.init_process_group first"
             )
+        bind_gloo_where_ranks_meet([os.environ["MASTER_ADDR"]])
         dist.init_process_group(default_backend(), timeout=datetime.timedelta(seconds=timeout_s))
     if dist.get_world_size() != layout.world_size:
         raise LayoutError(

@@ -111,9 +111,11 @@ def _rank_main(body, rank, world_size, port, collective_timeout_s, args, results
         import torch.distributed as dist
 
         from rlmega.parallel import cpu_platform
+        from rlmega.parallel.gloo_interface import bind_gloo_where_ranks_meet
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         cpu_platform.enable()
+        bind_gloo_where_ranks_meet([os.environ["MASTER_ADDR"]])
         dist.init_process_group(
             "gloo",
             rank=rank,

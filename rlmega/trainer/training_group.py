@@ -43,7 +43,7 @@ class RankProcess:
 
         import ray
 
-        ip = ray.util.get_node_ip_address()
+        ip = self.node_ip = ray.util.get_node_ip_address()
         port = self.listen(ip) if self.rank == 0 else 0
         gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "") if ray.get_gpu_ids() else ""
         return ip, port, ray.get_runtime_context().get_node_id(), gpus
@@ -94,6 +94,7 @@ class RankProcess:
         import torch
         import torch.distributed as dist
 
+        from rlmega.parallel.gloo_interface import bind_gloo_where_ranks_meet
         from rlmega.parallel.layout import default_backend, initialize
 
         torch.set_num_threads(max(1, int(cpus)))
@@ -102,6 +103,7 @@ class RankProcess:
         if store is None:
             store = dist.TCPStore(master[0], master[1], self.world_size, is_master=False, timeout=timeout)
         store.set_timeout(timeout)
+        bind_gloo_where_ranks_meet([getattr(self, "node_ip", None), master[0]])  # this rank's node, else the store's
         dist.init_process_group(default_backend(), store=store, rank=self.rank, world_size=self.world_size,
                                 timeout=timeout)
         self.layout = layout.build()

@@ -7,9 +7,10 @@
 #                   post-sync check. Installs nothing (but --wheels); about 5 minutes, each check bounded by
 #                   --check-timeout. On a machine with no package index, bring megatron-core's wheel
 #                   (tests/gpu/fetch_wheels.sh) and pass its folder with --wheels.
-#   --tier cluster  a node with the GPU extras' wheels reachable: one virtual environment per extra (vLLM,
-#                   SGLang and transformer-engine pin different torch builds), each running its engine's and
-#                   the worker's checks, then every other gpu-marked test there.
+#   --tier cluster  a node with the GPU extras' wheels reachable: one virtual environment per extra (vLLM
+#                   and SGLang pin different torch releases; transformer-engine compiles its torch extension
+#                   on install, so it gets one of its own), each running its engine's and the worker's
+#                   checks, then every other gpu-marked test there.
 #
 # Each check is a gpu-marked pytest test; its CPU contract twin runs everywhere (see tests/gpu/*.py).
 set -euo pipefail

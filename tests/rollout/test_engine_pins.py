@@ -1,11 +1,12 @@
 """The engine extras of setup.py install together with the rest of rlmega's pins, and the pinned engines
 read the checkpoints that our transformers writes.
 
-``test_extra_resolves`` runs pip's resolver over setup.py's requirements plus one extra, without
-installing or downloading any wheel: ``pip install --dry-run --ignore-installed`` with ``fast-deps``,
-which reads each wheel's metadata through HTTP range requests (the multi-GB CUDA wheels are never
-fetched; the three resolutions run side by side, in about half a minute here). It needs the package
-index; without it the test skips.
+``test_extras_resolve`` runs pip's resolver over setup.py's requirements plus an engine extra and the ``gpu``
+extra (transformer-engine), as a GPU user installs them, without installing or downloading any wheel:
+``pip install --dry-run --ignore-installed`` with ``fast-deps``, which reads each wheel's metadata through HTTP
+range requests (the multi-GB CUDA wheels are never fetched; the three resolutions run side by side, in one to
+two minutes here). A resolution of ``[vllm,gpu]`` is one of ``[vllm]`` and of ``[gpu]`` too. It needs the
+package index; without it the test skips.
 ``test_a_conflicting_pin_fails`` proves the check can fail: the torch bound rlmega had before
 (``<2.14``) cannot go with vllm 0.33, which pins torch 2.14.0.
 
@@ -16,6 +17,7 @@ the wheels.
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -78,6 +80,7 @@ needs_index = pytest.mark.skipif(not _index_reachable(), reason="the package ind
 
 
 CONFLICT = "conflicting-torch-pin"
+ENGINES = ("vllm", "sglang")
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +89,8 @@ def resolutions(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess
     waiting on the index, so three at once take about as long as one."""
     install_requires, extras = setup_requirements()
     pinned = [("torch>=2.6,<2.14" if Requirement(r).name == "torch" else r) for r in install_requires]
-    wanted = {"vllm": install_requires + extras["vllm"], "sglang": install_requires + extras["sglang"],
-              CONFLICT: pinned + extras["vllm"]}
+    wanted = {engine: install_requires + extras[engine] + extras["gpu"] for engine in ENGINES}
+    wanted[CONFLICT] = pinned + extras["vllm"]
     started = {}
     deadline = time.monotonic() + RESOLVE_LIMIT_S
     for name, requirements in wanted.items():
@@ -97,14 +100,17 @@ def resolutions(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess
 
 
 @needs_index
-@pytest.mark.parametrize("extra", ["vllm", "sglang"])
-def test_extra_resolves(extra, resolutions):
-    result, directory = resolutions[extra]
-    assert result.returncode == 0, f"rlmega[{extra}] does not resolve:\n{result.stderr[-4000:]}"
-    installed = {item["metadata"]["name"].lower(): item["metadata"]["version"]
-                 for item in json.loads((directory / "report.json").read_text())["install"]}
-    api = api_snapshot.load(extra)
-    assert installed[extra] == api["version"], "the snapshot is not of the release pip picks: regenerate it"
+@pytest.mark.parametrize("engine", ENGINES)
+def test_extras_resolve(engine, resolutions):
+    result, directory = resolutions[engine]
+    assert result.returncode == 0, f"rlmega[{engine},gpu] does not resolve:\n{result.stderr[-4000:]}"
+    picked = {item["metadata"]["name"].lower().replace("_", "-"): item["metadata"]
+              for item in json.loads((directory / "report.json").read_text())["install"]}
+    api = api_snapshot.load(engine)
+    assert picked[engine]["version"] == api["version"], "the snapshot is not of the release pip picks: regenerate it"
+    # The transformer-engine pip picks is one the megatron-core it picks was tested with.
+    assert megatron_te_range(picked["megatron-core"]["requires_dist"]).contains(
+        picked["transformer-engine"]["version"], prereleases=True)
 
 
 @needs_index
@@ -113,7 +119,29 @@ def test_a_conflicting_pin_fails(resolutions):
     assert result.returncode != 0 and "ResolutionImpossible" in result.stderr + result.stdout
 
 
-@pytest.mark.parametrize("package", ["vllm", "sglang"])
+def megatron_te_range(requires_dist: list[str]) -> SpecifierSet:
+    """The transformer-engine versions a megatron-core release declares (its ``dev`` extra)."""
+    for line in requires_dist:
+        requirement = Requirement(line)
+        if requirement.name.lower().replace("_", "-") == "transformer-engine":
+            return requirement.specifier
+    raise AssertionError(f"megatron-core declares no transformer-engine: {requires_dist}")
+
+
+def test_the_gpu_extra_stays_inside_the_transformer_engine_range_of_megatron_core():
+    """Offline: every transformer-engine our ``gpu`` extra admits is one the installed megatron-core declares
+    (0.16: >=2.9.0a0,<2.12.0; rlmega had >=2.4,<2.9, which it never tested with)."""
+    _, extras = setup_requirements()
+    ours = Requirement(extras["gpu"][0]).specifier
+    theirs = megatron_te_range(importlib.metadata.requires("megatron-core"))
+    releases = [f"{major}.{minor}.{patch}" for major in (1, 2, 3) for minor in range(40) for patch in (0, 1, 5)]
+    admitted = [version for version in releases if ours.contains(version)]
+    assert admitted, f"the gpu extra {ours} admits no release"
+    outside = [version for version in admitted if not theirs.contains(version, prereleases=True)]
+    assert not outside, f"the gpu extra {ours} admits {outside}, outside megatron-core's {theirs}"
+
+
+@pytest.mark.parametrize("package", ENGINES)
 def test_our_pins_admit_the_engine_pins(package):
     """Offline half of the resolver check: the engine's own pins on torch and transformers (from its wheel)
     meet ours. vllm 0.11 with transformers 5 (it declared no upper bound) is the pairing this rules out."""
@@ -152,3 +180,10 @@ def test_the_rope_check_catches_vllm_0_11(tmp_path):
     directory = save_tiny_model("llama", tmp_path, seed=0)
     config = json.loads((Path(directory) / "config.json").read_text())
     assert rope_keys_missing(["rope_theta"], config) == ["rope_theta"]  # what vllm 0.11's llama.py reads
+
+
+def test_the_engines_pin_different_torches_so_they_need_separate_environments():
+    """README: install ``.[vllm,gpu]`` or ``.[sglang,gpu]``, never both engines (their torch pins, from the wheels)."""
+    pins = {engine: SpecifierSet(api_snapshot.load(engine)["requires"]["torch"]) for engine in ENGINES}
+    candidates = [f"2.14.{patch}" for patch in range(10)]
+    assert not [v for v in candidates if all(spec.contains(v) for spec in pins.values())], pins
