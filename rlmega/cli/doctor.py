@@ -242,7 +242,8 @@ RULES = (
         "transformer_engine_untested",
         lambda r: _outside(_version(r, "transformer-engine"), (2, 9), (2, 12)),
         "transformer-engine {transformer-engine} is outside >=2.9,<2.12, the range megatron-core 0.16 was tested "
-        "with; fix: pip install 'transformer-engine[pytorch]>=2.9,<2.12' (or rlmega's gpu extra)",
+        "with; fix: pip install 'transformer-engine[pytorch]>=2.9,<2.12' (or rlmega's gpu extra), where a CUDA "
+        "toolkit is (nvcc on the PATH or CUDA_HOME): its torch extension builds against it",
     ),
     Rule(
         "vllm_without_cuda",

@@ -6,7 +6,10 @@ extra (transformer-engine), as a GPU user installs them, without installing or d
 ``pip install --dry-run --ignore-installed`` with ``fast-deps``, which reads each wheel's metadata through HTTP
 range requests (the multi-GB CUDA wheels are never fetched; the three resolutions run side by side, in one to
 two minutes here). A resolution of ``[vllm,gpu]`` is one of ``[vllm]`` and of ``[gpu]`` too. It needs the
-package index; without it the test skips.
+package index; without it the test skips. transformer-engine's torch extension is published as an sdist only,
+whose setup looks for the CUDA headers before it can even state its requirements: without a CUDA toolkit
+(``CUDA_HOME``, ``nvcc`` on the PATH or /usr/local/cuda), as on a GPU user's machine without one, pip cannot
+resolve ``[gpu]`` at all, so there the engines resolve without it and the transformer-engine check skips.
 ``test_a_conflicting_pin_fails`` proves the check can fail: the torch bound rlmega had before
 (``<2.14``) cannot go with vllm 0.33, which pins torch 2.14.0.
 
@@ -19,6 +22,8 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import json
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -79,6 +84,18 @@ def _index_reachable() -> bool:
 needs_index = pytest.mark.skipif(not _index_reachable(), reason="the package index is not reachable")
 
 
+def cuda_toolkit() -> str | None:
+    """Where transformer-engine's setup would look for the CUDA headers (its lookup order), or None."""
+    nvcc = shutil.which("nvcc")
+    candidates = [os.environ.get("CUDA_HOME"), nvcc and str(Path(nvcc).parents[1]), "/usr/local/cuda"]
+    return next((where for where in candidates if where and Path(where).is_dir()), None)
+
+
+needs_cuda_toolkit = pytest.mark.skipif(
+    cuda_toolkit() is None, reason="transformer-engine-torch (an sdist) needs a CUDA toolkit to state its "
+    "requirements: set CUDA_HOME or put nvcc on the PATH")
+
+
 CONFLICT = "conflicting-torch-pin"
 ENGINES = ("vllm", "sglang")
 
@@ -89,7 +106,8 @@ def resolutions(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess
     waiting on the index, so three at once take about as long as one."""
     install_requires, extras = setup_requirements()
     pinned = [("torch>=2.6,<2.14" if Requirement(r).name == "torch" else r) for r in install_requires]
-    wanted = {engine: install_requires + extras[engine] + extras["gpu"] for engine in ENGINES}
+    gpu = extras["gpu"] if cuda_toolkit() else []
+    wanted = {engine: install_requires + extras[engine] + gpu for engine in ENGINES}
     wanted[CONFLICT] = pinned + extras["vllm"]
     started = {}
     deadline = time.monotonic() + RESOLVE_LIMIT_S
@@ -103,14 +121,28 @@ def resolutions(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess
 @pytest.mark.parametrize("engine", ENGINES)
 def test_extras_resolve(engine, resolutions):
     result, directory = resolutions[engine]
-    assert result.returncode == 0, f"rlmega[{engine},gpu] does not resolve:\n{result.stderr[-4000:]}"
-    picked = {item["metadata"]["name"].lower().replace("_", "-"): item["metadata"]
-              for item in json.loads((directory / "report.json").read_text())["install"]}
+    assert result.returncode == 0, f"rlmega[{engine}] does not resolve:\n{result.stderr[-4000:]}"
     api = api_snapshot.load(engine)
-    assert picked[engine]["version"] == api["version"], "the snapshot is not of the release pip picks: regenerate it"
-    # The transformer-engine pip picks is one the megatron-core it picks was tested with.
-    assert megatron_te_range(picked["megatron-core"]["requires_dist"]).contains(
-        picked["transformer-engine"]["version"], prereleases=True)
+    assert report_installs(directory)[engine]["version"] == api["version"], \
+        "the snapshot is not of the release pip picks: regenerate it"
+
+
+@needs_index
+@needs_cuda_toolkit
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_gpu_extra_resolves_with_each_engine(engine, resolutions):
+    """The transformer-engine pip picks beside the engine is one the megatron-core it picks was tested with."""
+    result, directory = resolutions[engine]
+    assert result.returncode == 0, f"rlmega[{engine},gpu] does not resolve:\n{result.stderr[-4000:]}"
+    installs = report_installs(directory)
+    assert megatron_te_range(installs["megatron-core"]["requires_dist"]).contains(
+        installs["transformer-engine"]["version"], prereleases=True)
+
+
+def report_installs(directory: Path) -> dict[str, dict]:
+    """What pip's report says it would install, by normalised name."""
+    return {item["metadata"]["name"].lower().replace("_", "-"): item["metadata"]
+            for item in json.loads((directory / "report.json").read_text())["install"]}
 
 
 @needs_index
