@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from rlmega.bridge.mapping import RuleBook, to_hf
+from rlmega.bridge.mapping import Geometry, RuleBook, to_hf
 from rlmega.bridge.params import gathered_shape, geometry_of, local_params, tp_group_of
 from rlmega.models.spec import ModelSpec
 
@@ -36,7 +36,7 @@ class _Unit:
         return sum(torch.Size(shape).numel() * dtype.itemsize for _, shape, dtype in self.tensors)
 
 
-def _exported_params(chunks: list, spec: ModelSpec):
+def exported_params(chunks: list, spec: ModelSpec):
     """{canonical: (param, rule, hf names, TP group, TP rank, TP size)} of the replica-0 params here."""
     from megatron.core import parallel_state as ps
 
@@ -54,7 +54,7 @@ def _exported_params(chunks: list, spec: ModelSpec):
     return exported
 
 
-def _gather(param, group, tp_rank: int, tp: int) -> torch.Tensor:
+def gather_tp(param, group, tp_rank: int, tp: int) -> torch.Tensor:
     """The full tensor from its TP shards, built in place by one broadcast per shard.
 
     gloo's all-gather stages a second full-size copy; broadcasts write straight into their target,
@@ -77,31 +77,42 @@ def _gather(param, group, tp_rank: int, tp: int) -> torch.Tensor:
 # What a model's export is made of never changes (its parameters, their rules and names; the units' names, shapes
 # and dtypes): worked out and announced once per model, by its first chunk. Every rank exports the same models in
 # the same order, so all of them skip the announcement's collective together.
-_PLANS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[ModelSpec, dict, list[_Unit]]]" = weakref.WeakKeyDictionary()
+_PLANS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[Callable, tuple[ModelSpec, dict, list]]]" = (
+    weakref.WeakKeyDictionary())
 
 
-def _plan(chunks: list, spec: ModelSpec) -> tuple[dict, list[_Unit]]:
-    """``(_exported_params, every owner's units)`` of the model of ``chunks``."""
-    known = _PLANS.get(chunks[0])
+def planned(chunks: list, spec: ModelSpec, announce: Callable[[dict, ModelSpec], list]) -> tuple[dict, list]:
+    """``(exported_params, announce(exported_params, spec))`` of the model of ``chunks``, announced once (a
+    collective) per model and kind of announcement."""
+    plans = _PLANS.setdefault(chunks[0], {})
+    known = plans.get(announce)
     if known is None or known[0] != spec:
-        exported = _exported_params(chunks, spec)
-        known = _PLANS[chunks[0]] = (spec, exported, _announce(exported, spec))
+        exported = exported_params(chunks, spec)
+        known = plans[announce] = (spec, exported, announce(exported, spec))
     return known[1], known[2]
 
 
-def _announce(exported: dict, spec: ModelSpec) -> list[_Unit]:
-    """Every owner's units, in the same order on every rank."""
-    geometry, rank = geometry_of(spec), dist.get_rank()
+def announce_units(exported: dict, spec: ModelSpec, describe: Callable[[str, tuple, dict, Geometry], object]) -> list:
+    """Every owner's units, in the same order on every rank (a collective): on the TP rank 0 of each parameter,
+    ``describe(canonical, exported entry, its HF tensors on the meta device, geometry)``."""
+    geometry = geometry_of(spec)
     mine = []
-    for canonical, (param, rule, names, _, tp_rank, tp) in exported.items():
-        if tp_rank != 0:
-            continue
-        probe = torch.empty(gathered_shape(param, tp), dtype=param.tensor.dtype, device="meta")
-        hf = to_hf(rule, probe, names, geometry, tp)
-        mine.append(_Unit(canonical, rank, tuple((n, tuple(t.shape), t.dtype) for n, t in hf.items())))
+    for canonical, entry in exported.items():
+        param, rule, names, _, tp_rank, tp = entry
+        if tp_rank == 0:
+            probe = torch.empty(gathered_shape(param, tp), dtype=param.tensor.dtype, device="meta")
+            mine.append(describe(canonical, entry, to_hf(rule, probe, names, geometry, tp), geometry))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return [unit for units in everyone for unit in units]
+
+
+def _export_unit(canonical: str, entry: tuple, hf: dict, geometry: Geometry) -> _Unit:
+    return _Unit(canonical, dist.get_rank(), tuple((n, tuple(t.shape), t.dtype) for n, t in hf.items()))
+
+
+def _announce(exported: dict, spec: ModelSpec) -> list[_Unit]:
+    return announce_units(exported, spec, _export_unit)
 
 
 def bucketed(items: list, size_of: Callable[[object], int], bucket_bytes: int) -> Iterator[list]:
@@ -129,7 +140,7 @@ def _fill(units: list[_Unit], exported: dict, geometry) -> Optional[torch.Tensor
         if unit.canonical not in exported:
             continue  # another TP group's (or pipeline stage's) parameter
         param, rule, names, group, tp_rank, tp = exported[unit.canonical]
-        gathered = _gather(param, group, tp_rank, tp)
+        gathered = gather_tp(param, group, tp_rank, tp)
         if tp_rank != 0:
             continue
         for tensor in to_hf(rule, gathered, names, geometry, tp).values():
@@ -200,7 +211,7 @@ def export_hf_buckets(
         if invalid:
             raise ValueError(f"destinations {invalid} are not ranks of this job (world size {dist.get_world_size()})")
     geometry = geometry_of(spec)
-    exported, units = _plan(chunks, spec)
+    exported, units = planned(chunks, spec, _announce)
     device = _payload_device()
     for bucket in bucketed(units, lambda unit: unit.nbytes, bucket_bytes):
         for owner in sorted({unit.owner for unit in bucket}):

@@ -53,6 +53,10 @@ TARGETS = {
         "vllm/distributed/weight_transfer/nccl_engine.py": {"NCCLWeightTransferUpdateInfo": "fields"},
         "vllm/distributed/weight_transfer/nccl_common.py": {"NCCLWeightTransferInitInfo": "fields"},
         "vllm/config/weight_transfer.py": {"WeightTransferConfig": "fields"},
+        # rlmega.rollout.vllm_weight_source: the trainer's weights as the resharding backends read them.
+        "vllm/distributed/weight_transfer/base.py": {
+            "ParamMeta": "fields", "Shard": "fields", "Replicate": "fields", "WeightSource.owned_names": "signature",
+            "WeightSource.iter_local": "signature", "WeightSource.iter_full": "signature"},
         "vllm/engine/arg_utils.py": {"EngineArgs": "fields"},
     },
     "sglang": {
