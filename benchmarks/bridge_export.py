@@ -7,8 +7,11 @@ On 2 gloo ranks it measures, in the same processes and back to back:
   memcpy      copying a 256 MiB tensor (the ceiling for any in-memory repacking)
   all-gather  gloo all-gather of 128 MiB per rank (the ceiling for moving TP shards)
   export      rlmega.bridge.export_hf_weights over the whole model, every tensor to every rank
+  pieces      rlmega.bridge.pieces.local_pieces: each rank's own pieces of the HF tensors, no gather (what an
+              engine that reshards on its side, vLLM's nccl_m2n, is handed)
 and prints each as GB/s (bytes of full HF tensors delivered per second) with the export's ratio to
-the other two. Absolute numbers vary run to run on shared machines; the ratios are the result.
+the other two, then the pieces' wall time and the bytes each rank hands over, next to the export's.
+Absolute numbers vary run to run on shared machines; the ratios are the result.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ def _best_seconds(fn, repeats: int = 3) -> float:
 
 def _measure(rank: int, world_size: int, hf_config: dict, tp: int, bucket_bytes: int) -> dict:
     from rlmega.bridge import export_hf_weights
+    from rlmega.bridge.pieces import local_pieces
     from rlmega.models import build_chunks, model_spec_from_hf
     from rlmega.parallel.layout import ParallelLayout, destroy, initialize
 
@@ -70,6 +74,15 @@ def _measure(rank: int, world_size: int, hf_config: dict, tp: int, bucket_bytes:
             exported["tensors"] += 1
 
     export_s = _best_seconds(export, repeats=2)
+    handed = {"bytes": 0}
+
+    def pieces():
+        handed.update(bytes=0)
+        for _, tensor in local_pieces(chunks, spec):
+            handed["bytes"] += tensor.numel() * tensor.element_size()
+
+    pieces()  # the layout is announced once (a collective), as the export's plan was in its first run
+    pieces_s = _best_seconds(pieces, repeats=2)
     parameters = sum(p.numel() for chunk in chunks for p in chunk.parameters())
     destroy()
     return dict(
@@ -80,6 +93,8 @@ def _measure(rank: int, world_size: int, hf_config: dict, tp: int, bucket_bytes:
         exported_gib=exported["bytes"] / GIB,
         tensors=exported["tensors"],
         local_parameters=parameters,
+        pieces_s=pieces_s,
+        pieces_gib=handed["bytes"] / GIB,
     )
 
 
@@ -101,7 +116,10 @@ def main() -> None:
     print(f"{'measure':<12}{'GB/s':>8}{'export / it':>14}")
     for name, key in (("memcpy", "memcpy_gbps"), ("all-gather", "allgather_gbps"), ("export", "export_gbps")):
         print(f"{name:<12}{result[key]:>8.2f}{result['export_gbps'] / result[key]:>14.2f}")
-    print(f"export wall time {result['export_s']:.2f} s")
+    print(f"export wall time {result['export_s']:.2f} s, {result['exported_gib']:.2f} GiB to each rank")
+    slowest = max(results, key=lambda r: r["pieces_s"])
+    print(f"pieces wall time {slowest['pieces_s']:.3f} s (export / pieces: {result['export_s'] / slowest['pieces_s']:.0f}x), "
+          f"handed over per rank: " + ", ".join(f"{r['pieces_gib']:.2f}" for r in results) + " GiB")
 
 
 if __name__ == "__main__":

@@ -7,12 +7,12 @@ over only its piece, with no gather. This module is that declaration and those p
 
 Each HF tensor is owned by the ranks of the tensor-parallel group that holds its parameter (its expert-TP group
 for an expert; one rank without TP), in TP order, and is either held whole by each of them (norms, routers, a
-replicated weight) or split evenly along one dimension, rank r holding chunk r (``torch.chunk``'s split): a row-
-or column-parallel weight, q, k and v of a fused QKV (TP ranks own whole query groups, so each projection's rows
-split evenly), gate and up of a fused ``linear_fc1``, and an embedding or LM head whose vocabulary Megatron did
-not pad. A padded vocabulary does not split like that (the last rank holds padding rows), so its TP ranks each
-gather it and hold it whole. Only data-parallel replica 0 (with its context-parallel ranks) owns anything, as in
-the export.
+replicated weight) or split along one dimension, rank r holding chunk r of ``torch.chunk``'s split: a row- or
+column-parallel weight, q, k and v of a fused QKV (TP ranks own whole query groups, so each projection's rows
+split evenly), gate and up of a fused ``linear_fc1``, and the embedding and LM head. Megatron pads the
+vocabulary, so its slices are not the chunks of the unpadded HF tensor: each rank takes the few rows its chunk
+starts with from the ranks before it (``_rechunked_vocab``), which is no gather. Only data-parallel replica 0
+(with its context-parallel ranks) owns anything, as in the export.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from rlmega.bridge.export import announce_units, gather_tp, planned
 from rlmega.bridge.mapping import QKV, VOCAB, Geometry, to_hf
-from rlmega.bridge.params import gathered_shape, geometry_of
+from rlmega.bridge.params import geometry_of
 from rlmega.models.spec import ModelSpec
 
 
@@ -41,18 +41,27 @@ class Piece:
     owners: tuple[int, ...]
     """Global ranks that hold it, in tensor-parallel order."""
     split_dim: Optional[int]
-    """The dimension split evenly over ``owners`` (owner i holds chunk i), or None: each owner holds it whole."""
+    """The dimension split over ``owners`` as ``torch.chunk`` splits it (owner i holds chunk i), or None: each
+    owner holds it whole."""
 
-    def local_shape(self) -> tuple[int, ...]:
+    def rows(self, index: int) -> tuple[int, int]:
+        """``[start, stop)`` along ``split_dim`` of owner ``index``'s chunk (empty past the last chunk, as
+        ``torch.chunk`` returns fewer chunks than asked when the length is small)."""
+        length = self.shape[self.split_dim]
+        size = -(-length // len(self.owners))
+        return min(index * size, length), min((index + 1) * size, length)
+
+    def local_shape(self, index: int) -> tuple[int, ...]:
+        """The shape of owner ``index``'s piece."""
         if self.split_dim is None:
             return self.shape
+        start, stop = self.rows(index)
         shape = list(self.shape)
-        shape[self.split_dim] //= len(self.owners)
+        shape[self.split_dim] = stop - start
         return tuple(shape)
 
-    @property
-    def local_nbytes(self) -> int:
-        return torch.Size(self.local_shape()).numel() * self.dtype.itemsize
+    def local_nbytes(self, index: int) -> int:
+        return torch.Size(self.local_shape(index)).numel() * self.dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,12 +72,32 @@ class _Unit:
     pieces: tuple[Piece, ...]
 
 
-def _splits_evenly(rule, param, tp: int, geometry) -> bool:
-    if param.partition_dim is None or tp == 1:
-        return False
-    if rule.transform == VOCAB:
-        return gathered_shape(param, tp)[0] == geometry.vocab_size
-    return True
+def _rechunked_vocab(piece: Piece, param, group, tp_rank: int, tp: int) -> torch.Tensor:
+    """This rank's ``torch.chunk`` piece of an unpadded vocabulary, from the padded slices Megatron's TP ranks
+    hold: each rank's chunk starts at or before its own slice, so it takes its missing rows from the ranks
+    before it (point to point, a few rows each; no gather)."""
+    start, stop = piece.rows(tp_rank)
+    ranks = dist.get_process_group_ranks(group)
+    local = param.tensor.detach()
+    out = torch.empty((stop - start, *local.shape[1:]), dtype=local.dtype, device=local.device)
+    requests, slice_rows = [], local.shape[0]
+    for source in range(tp):  # what this rank receives, and from whom
+        held = source * slice_rows, (source + 1) * slice_rows
+        lo, hi = max(start, held[0]), min(stop, held[1])
+        if lo < hi:
+            if source == tp_rank:
+                out[lo - start : hi - start] = local[lo - held[0] : hi - held[0]]
+            else:
+                requests.append(dist.irecv(out[lo - start : hi - start], src=ranks[source]))
+    held = tp_rank * slice_rows, (tp_rank + 1) * slice_rows
+    for target in range(tp):  # what this rank sends, and to whom
+        wanted = piece.rows(target)
+        lo, hi = max(wanted[0], held[0]), min(wanted[1], held[1])
+        if target != tp_rank and lo < hi:
+            requests.append(dist.isend(local[lo - held[0] : hi - held[0]].contiguous(), dst=ranks[target]))
+    for request in requests:
+        request.wait()
+    return out
 
 
 def _piece_unit(canonical: str, entry: tuple, full: dict, geometry: Geometry) -> _Unit:
@@ -76,7 +105,7 @@ def _piece_unit(canonical: str, entry: tuple, full: dict, geometry: Geometry) ->
     # Every rank of the TP group holds the tensor, split or whole; only a padded vocabulary is gathered.
     owners = tuple(dist.get_process_group_ranks(group)) if tp > 1 else (dist.get_rank(),)
     split_dim = None
-    if _splits_evenly(rule, param, tp, geometry):  # q/k/v and gate/up split by rows, like the fused tensor
+    if param.partition_dim is not None and tp > 1:  # q/k/v and gate/up split by rows, like the fused tensor
         split_dim = 0 if rule.transform in (QKV, VOCAB) or len(full) > 1 else param.partition_dim
     return _Unit(canonical, tuple(Piece(name, t.dtype, tuple(t.shape), owners, split_dim) for name, t in full.items()))
 
@@ -108,16 +137,18 @@ def local_pieces(chunks: list, spec: ModelSpec) -> Iterator[tuple[str, torch.Ten
 
     Every rank iterates to the end: a padded vocabulary is gathered by its TP group."""
     for unit, (param, rule, names, group, tp_rank, tp), geometry in _owned(chunks, spec):
-        if unit.pieces[0].split_dim is not None:  # this rank's own rows: the fused tensor's local query groups
+        if unit.pieces[0].split_dim is None:
+            tensors = _whole(param, rule, names, group, tp_rank, tp, geometry)
+        elif rule.transform == VOCAB:
+            tensors = {unit.pieces[0].name: _rechunked_vocab(unit.pieces[0], param, group, tp_rank, tp)}
+        else:  # this rank's own rows: the fused tensor's local query groups
             local = dataclasses.replace(geometry, num_query_groups=geometry.num_query_groups // tp)
             tensors = to_hf(rule, param.tensor.detach(), names, local, 1)
-        else:
-            tensors = _whole(param, rule, names, group, tp_rank, tp, geometry)
         for piece in unit.pieces:
-            tensor = tensors[piece.name]
-            if tuple(tensor.shape) != piece.local_shape():
+            tensor, index = tensors[piece.name], piece.owners.index(dist.get_rank())
+            if tuple(tensor.shape) != piece.local_shape(index):
                 raise AssertionError(f"{piece.name}: a piece of shape {tuple(tensor.shape)}, declared "
-                                     f"{piece.local_shape()}")
+                                     f"{piece.local_shape(index)}")
             yield piece.name, tensor
 
 
@@ -141,6 +172,6 @@ def bytes_held(layout: list[Piece]) -> dict[int, int]:
     """{rank: bytes of the pieces it hands over} for a ``piece_layout``."""
     held: dict[int, int] = defaultdict(int)
     for piece in layout:
-        for owner in piece.owners:
-            held[owner] += piece.local_nbytes
+        for index, owner in enumerate(piece.owners):
+            held[owner] += piece.local_nbytes(index)
     return dict(held)

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from deepseek_mtp_models import save_tiny_deepseek_mtp
 from hf_models import save_tiny_model
 from rlmega.bridge import load_hf_weights
-from rlmega.bridge.pieces import bytes_held, full_tensors, local_pieces, piece_layout
+from rlmega.bridge.pieces import Piece, bytes_held, full_tensors, local_pieces, piece_layout
 from rlmega.models import build_chunks, model_spec_from_hf
 from rlmega.parallel.layout import ParallelLayout, destroy, initialize
 from rlmega.parallel.spawn import run_on_ranks
@@ -64,6 +64,8 @@ def test_pieces_reassemble_to_the_checkpoint(case, tmp_path):
     assert sorted(piece.name for piece in pieces) == sorted(saved)
     split = [piece.name for piece in pieces if piece.split_dim is not None]
     assert bool(split) == (layout.tp > 1 or layout.expert_tp > 1), split
+    if layout.tp > 1:  # the padded vocabulary too, re-chunked with no gather
+        assert "model.embed_tokens.weight" in split
     by_rank = {rank: dict(result["local"]) for rank, result in enumerate(results)}
     for rank, result in enumerate(results):  # each rank hands over exactly what it owns, in layout order
         assert [name for name, _ in result["local"]] == [p.name for p in pieces if rank in p.owners]
@@ -76,7 +78,8 @@ def test_pieces_reassemble_to_the_checkpoint(case, tmp_path):
             whole = held
         else:
             whole = [torch.cat(held, dim=piece.split_dim)]
-            assert len(held) > 1 and all(tuple(t.shape) == piece.local_shape() for t in held), piece.name
+            assert len(held) > 1 and all(tuple(t.shape) == piece.local_shape(i) for i, t in enumerate(held)), piece.name
+            assert [tuple(t.shape) for t in held] == [tuple(t.shape) for t in expected.chunk(len(held), piece.split_dim)]
         for tensor in whole:
             assert torch.equal(tensor, expected), piece.name
         for owner in piece.owners:
@@ -85,3 +88,15 @@ def test_pieces_reassemble_to_the_checkpoint(case, tmp_path):
     held = bytes_held(pieces)  # the layout's count is what each rank handed over
     assert held == {rank: sum(t.numel() * t.element_size() for _, t in result["local"])
                     for rank, result in enumerate(results) if result["local"]}
+
+
+@pytest.mark.parametrize("length, parts", [(256, 2), (151936, 8), (129280, 16), (10, 4), (5, 4), (3, 8)])
+def test_a_piece_has_the_rows_of_torch_chunk(length, parts):
+    """vLLM reads a Shard as torch.chunk splits: chunks of ceil(length / parts), and none past the end."""
+    piece = Piece("embed", torch.float32, (length, 2), tuple(range(parts)), 0)
+    chunks = torch.arange(length).chunk(parts)
+    for index in range(parts):
+        start, stop = piece.rows(index)
+        expected = chunks[index].tolist() if index < len(chunks) else []
+        assert list(range(start, stop)) == expected
+        assert piece.local_shape(index) == (stop - start, 2)
