@@ -102,7 +102,7 @@ def _rechunked_vocab(piece: Piece, param, group, tp_rank: int, tp: int) -> torch
 
 def _piece_unit(canonical: str, entry: tuple, full: dict, geometry: Geometry) -> _Unit:
     param, rule, _, group, _, tp = entry
-    # Every rank of the TP group holds the tensor, split or whole; only a padded vocabulary is gathered.
+    # Every rank of the TP group holds the tensor, split or whole.
     owners = tuple(dist.get_process_group_ranks(group)) if tp > 1 else (dist.get_rank(),)
     split_dim = None
     if param.partition_dim is not None and tp > 1:  # q/k/v and gate/up split by rows, like the fused tensor
@@ -135,7 +135,7 @@ def _owned(chunks: list, spec: ModelSpec) -> Iterator[tuple[_Unit, tuple, Geomet
 def local_pieces(chunks: list, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's piece of each HF tensor it owns, in ``piece_layout`` order.
 
-    Every rank iterates to the end: a padded vocabulary is gathered by its TP group."""
+    Every rank iterates to the end: the TP ranks exchange the rows of the vocabulary's chunks."""
     for unit, (param, rule, names, group, tp_rank, tp), geometry in _owned(chunks, spec):
         if unit.pieces[0].split_dim is None:
             tensors = _whole(param, rule, names, group, tp_rank, tp, geometry)
