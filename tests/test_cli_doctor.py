@@ -194,7 +194,7 @@ def test_collect_report_sees_this_environment():
     import torch
 
     assert report["cuda"]["available"] == torch.cuda.is_available()
-    assert report["distributed_backend"] == ("nccl" if torch.cuda.is_available() else "gloo")
+    assert report["distributed_backend"] == ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     json.dumps(report)  # the --json contract: serialisable as is
 
 
@@ -273,7 +273,7 @@ def test_gpu_facts_are_read_from_torch(monkeypatch):
     report = doctor.collect_report()
     assert report["cuda"]["devices"] == ["NVIDIA H200 #0", "NVIDIA H200 #1"]
     assert report["cuda"]["nccl"] == "2.27.3"
-    assert report["distributed_backend"] == "nccl"
+    assert report["distributed_backend"] == "cpu:gloo,cuda:nccl"
     assert report["cpu_platform"]["redirects_apply"] is False
     rows = dict((item, value) for section in doctor.report_rows(report) for item, value, _ in section)
     assert (rows["GPUs"], rows["NCCL"]) == ("2", "2.27.3")

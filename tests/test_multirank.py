@@ -61,6 +61,35 @@ def test_ranks_see_the_callers_environment_directory_and_output(start_method, mo
                                                                                 "rank 1 says hello"]
 
 
+def _how_started(rank, world_size):
+    import sys
+
+    import torch.distributed as dist
+
+    return "rlmega.parallel.rank_preload" in sys.modules, str(dist.get_backend())
+
+
+def test_ranks_are_spawned_where_the_caller_sees_a_gpu(monkeypatch):
+    """A process forked after torch was asked about CUDA (the preloaded imports ask) cannot use CUDA, so with
+    a GPU in sight the ranks start from scratch; without one they come from the fork server, preloaded."""
+    import torch
+
+    assert run_on_ranks(_how_started, 1, timeout_s=60) == [(True, "gloo")]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # this process only: the ranks see no GPU
+    assert run_on_ranks(_how_started, 1, timeout_s=120) == [(False, "gloo")]
+
+
+def test_the_default_backend_takes_cpu_tensors_beside_nccl(monkeypatch):
+    """NCCL moves only CUDA tensors; the metrics and counts rlmega reduces on the host go over gloo."""
+    import torch
+
+    from rlmega.parallel.layout import default_backend
+
+    assert default_backend() == ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert default_backend() == "cpu:gloo,cuda:nccl"
+
+
 def test_an_unknown_start_method_is_refused():
     with pytest.raises(ValueError, match="start_method must be 'forkserver' or 'spawn', got 'fork'"):
         run_on_ranks(_all_reduce_rank, 1, start_method="fork")

@@ -157,9 +157,9 @@ def _fill(units: list[_Unit], exported: dict, geometry) -> Optional[torch.Tensor
 
 
 def _payload_device() -> torch.device:
-    """Where payloads are packed and received: on the GPU under NCCL, which moves only CUDA tensors
-    (and the CUDA IPC transport shares device buckets); on the CPU under gloo."""
-    if dist.get_backend() == "nccl":
+    """Where payloads are packed and received: on the GPU where the default group has NCCL, which moves
+    only CUDA tensors (and the CUDA IPC transport shares device buckets); on the CPU under gloo alone."""
+    if "nccl" in str(dist.get_backend()):  # "nccl", or "cpu:gloo,cuda:nccl" (rlmega.parallel.layout)
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -173,7 +173,7 @@ def packed_segments(attention_mask: Optional[torch.Tensor]) -> Optional[list[int
     lengths = getattr(attention_mask, "segment_lengths", None)  # block_causal_mask made it: no need to read it
     if lengths is None:
         # Query i sees key i - 1 exactly when both are in one segment; then the mask must be block-causal.
-        starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.nonzero(blocked.diagonal(-1)).flatten() + 1])
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.nonzero(blocked.diagonal(-1)).flatten().cpu() + 1])
         lengths = torch.diff(starts, append=torch.tensor([total])).tolist()
         if not torch.equal(attention_mask.cpu(), block_causal_mask(lengths)):
             lengths = None

@@ -207,5 +207,14 @@ def build_chunks(spec: ModelSpec, layout: ParallelLayout, config=None) -> list:
         )
         if spec.score_head is not None:
             attach_score_head(model, spec.score_head, config)
-        chunks.append(model)
+        chunks.append(on_training_device(model, config))
     return chunks
+
+
+def on_training_device(model: torch.nn.Module, config) -> torch.nn.Module:
+    """``model`` whole on the current GPU unless ``config`` initialises on the CPU. Megatron allocates its
+    parallel layers on the GPU but builds the modules it takes from torch (the norms, where neither
+    transformer-engine nor apex is installed) on the CPU, and leaves moving the model to its caller."""
+    if config.use_cpu_initialization:
+        return model
+    return model.cuda(torch.cuda.current_device())

@@ -20,7 +20,6 @@ any other version is refused rather than half-patched.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import os
 import warnings
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+from rlmega.parallel import mcore_without_te
 from rlmega.parallel.host_collectives import Completed, HostCollectives
 from rlmega.parallel.mcore_version import require_checked
 
@@ -256,11 +256,7 @@ def _patch_rng_tracker():
 
 
 def _patch_moe():
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
-
-    # moe_utils names te_general_gemm only when TE imports; None selects its torch matmul path.
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    from megatron.core.transformer.moe import token_dispatcher
 
     # The alltoall dispatcher turns split sizes into numpy only for CUDA tensors; do it on CPU too.
     def move_to_host(tensor, as_numpy=False, record_stream=False):
@@ -309,15 +305,6 @@ def _patch_pipeline_p2p():
         return list(p2p_communication._p2p_ops(**kwargs).values())
 
     p2p_communication._batched_p2p_ops = ordered_p2p_ops
-
-
-def _patch_mla_without_te():
-    # TE's wrapper module imports over a MagicMock when TE is absent, so MLA believes TE is there and
-    # calls isinstance() with a mock (TypeError); tell it the truth.
-    if importlib.util.find_spec("transformer_engine") is None:
-        from megatron.core.transformer import multi_latent_attention
-
-        multi_latent_attention.HAVE_TE = False
 
 
 # ---- collectives of ranks on one host --------------------------------------------------
@@ -405,7 +392,7 @@ def enable() -> bool:
     _run_fusions_eagerly()
     _patch_torch_norm()
     _patch_pipeline_p2p()
-    _patch_mla_without_te()
+    mcore_without_te.apply()
     _enabled = True
     if not isinstance(torch.overrides._get_current_function_mode(), CudaAsCpu):  # redirected() may hold one
         CudaAsCpu().__enter__()  # this thread's every later torch call; autograd's threads re-enter it (above)

@@ -225,13 +225,15 @@ def zigzag_positions(length: int, cp: int, rank: int) -> torch.Tensor:
 
 
 def default_backend() -> str:
-    """NCCL where CUDA is usable, gloo otherwise."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """Where CUDA is usable, NCCL for CUDA tensors and gloo for CPU ones: the metrics, counts and objects
+    rlmega reduces on the host stay there (NCCL moves only CUDA tensors), and every group Megatron makes
+    from the default takes both. Gloo alone otherwise."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
 def initialize(layout: ParallelLayout, *, timeout_s: float = 300.0, seed: int = 1234,
                host_collectives: bool = True) -> None:
-    """Create Megatron's process groups for ``layout``, on NCCL with CUDA and on gloo without,
+    """Create Megatron's process groups for ``layout`` on ``default_backend()``,
     and seed Megatron's per-group RNG streams (dropout, initialisation) from ``seed``.
 
     Starts ``torch.distributed`` first when nobody has, from the variables torchrun sets (RANK,
@@ -241,7 +243,7 @@ def initialize(layout: ParallelLayout, *, timeout_s: float = 300.0, seed: int = 
     """
     from megatron.core import parallel_state
 
-    from rlmega.parallel import cpu_platform
+    from rlmega.parallel import cpu_platform, mcore_without_te
     from rlmega.parallel.gloo_interface import bind_gloo_where_ranks_meet
 
     if not dist.is_initialized():
@@ -259,6 +261,7 @@ def initialize(layout: ParallelLayout, *, timeout_s: float = 300.0, seed: int = 
             f"{dist.get_world_size()} ranks"
         )
     cpu_platform.enable()
+    mcore_without_te.apply()
     parallel_state.initialize_model_parallel(
         **layout.megatron_sizes(), distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
     )

@@ -1,13 +1,15 @@
-"""Run a function on N gloo ranks in spawned processes, with a hard timeout.
+"""Run a function on N ranks in new processes, with a hard timeout.
 
     results = run_on_ranks(body, world_size=4, timeout_s=120, args=(layout,))
 
-``body(rank, world_size, *args)`` runs in a new process with ``torch.distributed`` initialised
-over gloo and the CPU platform enabled; its return values come back as a list indexed by rank.
-Ranks are forked from a server process that has imported torch and Megatron-Core once
+``body(rank, world_size, *args)`` runs in a new process with ``torch.distributed`` initialised on
+``rlmega.parallel.layout.default_backend()`` (gloo; where the rank sees a GPU, NCCL for CUDA tensors
+beside it) and, without CUDA, the CPU platform enabled; its return values come back as a list indexed by rank.
+Without a GPU, ranks are forked from a server process that has imported torch and Megatron-Core once
 (``rank_preload``; multiprocessing's ``forkserver``), with the caller's environment, working
-directory, stdout and stderr, as a spawned process would have them; ``start_method="spawn"``
-starts each from scratch (what a memory measurement wants).
+directory, stdout and stderr, as a spawned process would have them. Where the caller sees a GPU they are
+spawned: those imports ask torch about CUDA, and a process forked after that cannot use CUDA.
+``start_method="spawn"`` always starts each from scratch (what a memory measurement wants).
 The first rank that raises or dies fails the whole run with that rank's traceback; every other
 rank is then killed, so no process outlives the call. ``RankFailure.cause`` is the one line to show a
 person: the exception's message, without the traceback or the rank.
@@ -112,12 +114,13 @@ def _rank_main(body, rank, world_size, port, collective_timeout_s, args, results
 
         from rlmega.parallel import cpu_platform
         from rlmega.parallel.gloo_interface import bind_gloo_where_ranks_meet
+        from rlmega.parallel.layout import default_backend
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         cpu_platform.enable()
         bind_gloo_where_ranks_meet([os.environ["MASTER_ADDR"]])
         dist.init_process_group(
-            "gloo",
+            default_backend(),
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=collective_timeout_s),
@@ -170,16 +173,21 @@ def run_on_ranks(
     timeout_s: float = 120.0,
     args: tuple = (),
     quiet: bool = False,
-    start_method: str = "forkserver",
+    start_method: Optional[str] = None,
 ) -> list:
-    """Run ``body(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
+    """Run ``body(rank, world_size, *args)`` on ``world_size`` new ranks.
 
     ``body`` and ``args`` must be picklable (a module-level function). Returns the per-rank return
     values. Raises RankFailure naming the first rank that raised, exited without a result, or was
     still running when ``timeout_s`` ran out. ``quiet``: the ranks print no warnings and no log
     records below ERROR (command-line tools, whose user should see only the cause of a failure).
-    ``start_method``: ``"forkserver"`` (ranks start with the heavy imports done) or ``"spawn"``.
+    ``start_method``: ``"forkserver"`` (ranks start with the heavy imports done) or ``"spawn"``; None picks
+    ``"spawn"`` where this process sees a GPU, else ``"forkserver"``.
     """
+    if start_method is None:
+        import torch
+
+        start_method = "spawn" if torch.cuda.is_available() else "forkserver"
     ctx = _context(start_method)
     forked = start_method == "forkserver"
     results = ctx.Queue()

@@ -57,7 +57,7 @@ def run_schedule(chunks: list, micro_batches: list[MicroBatch], head: Head, *, f
             head_batch = micro_batch
         output = model(
             micro_batch.tokens.to(device), micro_batch.position_ids.to(device),
-            None if mask is None else mask.to(device), packed_seq_params=_on(micro_batch.packed_seq_params, device),
+            _mask_on(mask, device), packed_seq_params=_on(micro_batch.packed_seq_params, device),
             **{name: value.to(device) for name, value in micro_batch.model_inputs().items()},
         )
         if routing is not None:
@@ -84,6 +84,17 @@ def run_schedule(chunks: list, micro_batches: list[MicroBatch], head: Head, *, f
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return [None] * len(micro_batches)
     return [item["result"] for item in results]
+
+
+def _mask_on(mask: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
+    """The attention mask on ``device``, with the segment lengths a packed row's mask carries
+    (``batching.block_causal_mask``): a moved tensor is a new object, without the attribute."""
+    if mask is None or device is None:
+        return mask
+    moved = mask.to(device)
+    if hasattr(mask, "segment_lengths"):
+        moved.segment_lengths = mask.segment_lengths
+    return moved
 
 
 def _on(packed_seq_params, device):

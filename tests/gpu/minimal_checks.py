@@ -69,6 +69,12 @@ def hf_weights(worker: MegatronWorker) -> dict[str, torch.Tensor]:
     return {name: tensor.float().cpu().clone() for name, tensor in worker.export_hf_weights()}
 
 
+def _arrays(tensors: list) -> list:
+    """The model's and optimizer's tensors but the scalars: torch's Adam keeps each ``step`` count as a
+    CPU scalar, which stays in host memory and is not offloaded."""
+    return [tensor for tensor in tensors if tensor.dim()]
+
+
 # ---- the bodies ------------------------------------------------------------------------------
 
 def update_body(rank, world_size, hf_dir, dtype):
@@ -93,11 +99,11 @@ def offload_body(rank, world_size, hf_dir, dtype):
         torch.cuda.synchronize()
     resident = torch.cuda.memory_allocated() if device == "cuda" else 0
     moved_out = worker.offload()
-    released = all(tensor.untyped_storage().nbytes() == 0 for tensor in tensors if tensor.numel())
+    released = all(tensor.untyped_storage().nbytes() == 0 for tensor in _arrays(tensors))
     freed = resident - torch.cuda.memory_allocated() if device == "cuda" else 0
     moved_in = worker.onload()
     identical = all(torch.equal(a, b) for a, b in zip(before, (t.detach() for t in tensors)))
-    on_device = all(t.device.type == device for t in tensors if t.numel())
+    on_device = all(t.device.type == device for t in _arrays(tensors))
     loss = train_once(worker, seed=2)["actor/loss"]
     destroy(including_default_group=True)
     return dict(moved_out=moved_out, moved_in=moved_in, released=released, freed=freed, identical=identical,

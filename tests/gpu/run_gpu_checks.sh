@@ -17,7 +17,7 @@ set -euo pipefail
 
 usage() {
     cat <<'EOF'
-Usage: bash tests/gpu/run_gpu_checks.sh [--tier minimal|cluster] [--wheels DIR] [--check-timeout SECONDS] [--list] [-- PYTEST_ARGS...]
+Usage: bash tests/gpu/run_gpu_checks.sh [--tier minimal|cluster] [--wheels DIR] [--check-timeout SECONDS] [--log FILE] [--list] [-- PYTEST_ARGS...]
 
   --tier minimal        (default) single GPU, air-gapped: runs with $PYTHON (default: python3), installs nothing
   --wheels DIR          minimal tier: first unpack DIR/*.whl (from tests/gpu/fetch_wheels.sh) into a temporary
@@ -25,6 +25,8 @@ Usage: bash tests/gpu/run_gpu_checks.sh [--tier minimal|cluster] [--wheels DIR] 
   --tier cluster        per extra in $RLMEGA_GPU_EXTRAS (default: "vllm sglang gpu"): a venv
                         $RLMEGA_GPU_VENV_PREFIX-<extra> (default: .venv-gpu-<extra>), pip install -e .[test,<extra>]
   --check-timeout S     wall-clock limit of one check (default: 300)
+  --log FILE            also write every check's whole pytest output to FILE (the console shows a failure's
+                        last 40 lines)
   --list                print the checks of the tier and exit
   -h, --help            this text
 
@@ -36,6 +38,7 @@ tier=minimal
 check_timeout=300
 list_only=0
 wheels=""
+log_file=""
 pytest_args=()
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -45,6 +48,8 @@ while [ $# -gt 0 ]; do
         --check-timeout=*) check_timeout="${1#--check-timeout=}"; shift ;;
         --wheels) [ $# -ge 2 ] || { echo "--wheels needs a folder" >&2; exit 2; }; wheels="$2"; shift 2 ;;
         --wheels=*) wheels="${1#--wheels=}"; shift ;;
+        --log) [ $# -ge 2 ] || { echo "--log needs a file" >&2; exit 2; }; log_file="$2"; shift 2 ;;
+        --log=*) log_file="${1#--log=}"; shift ;;
         --list) list_only=1; shift ;;
         -h|--help) usage; exit 0 ;;
         --) shift; pytest_args=("$@"); break ;;
@@ -57,6 +62,11 @@ if [ -n "$wheels" ]; then
     [ "$tier" = minimal ] || { echo "--wheels is for the minimal tier (the cluster tier installs from an index)" >&2; exit 2; }
     compgen -G "$wheels/*.whl" >/dev/null || {
         echo "--wheels: no .whl files in '$wheels' (make them with: bash tests/gpu/fetch_wheels.sh --dest $wheels)" >&2; exit 2; }
+fi
+
+if [ -n "$log_file" ]; then
+    { : >"$log_file"; } 2>/dev/null || { echo "--log: cannot write '$log_file'" >&2; exit 2; }
+    log_file="$(cd "$(dirname "$log_file")" && pwd)/$(basename "$log_file")"  # before the cd below
 fi
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -119,6 +129,7 @@ run_check() {  # python, "name|node ids"
         sed 's/^/    /' "$log" | tail -n 40
         failed=$((failed + 1)); failures+=("$name")
     fi
+    [ -z "$log_file" ] || { echo "==== $name: $nodes"; cat "$log"; } >>"$log_file"
     rm -f "$log"
 }
 

@@ -87,3 +87,15 @@ def test_segments_come_from_the_mask_builder_without_reading_the_mask(monkeypatc
     monkeypatch.setattr(core_attention, "block_causal_mask", None)  # reading the mask back would call it
     assert packed_segments(mask) == [3, 5, 1, 4]
     assert packed_segments(block_causal_mask([2, 30])) is None  # still only where segments cost less
+
+
+def test_the_mask_keeps_its_segments_on_the_models_device():
+    """The forward step moves the mask where the model runs; the copy must still name its segments (on a
+    GPU, reading them back from a CUDA mask mixed devices)."""
+    from rlmega.workers.passes import _mask_on
+
+    mask = block_causal_mask([3, 5, 1, 4])
+    moved = _mask_on(mask, torch.device("meta"))  # another device: a new tensor, which cannot be read back
+    assert moved.device.type == "meta" and moved.shape == mask.shape
+    assert packed_segments(moved) == [3, 5, 1, 4]
+    assert _mask_on(mask, None) is mask and _mask_on(None, torch.device("meta")) is None

@@ -1,0 +1,38 @@
+"""Megatron-Core 0.16 where transformer-engine is not installed, on any device.
+
+Megatron imports transformer-engine's helpers inside ``try`` blocks, yet two of its modules go on to use
+what only a successful import defines. Without transformer-engine (every CPU machine; a GPU machine
+without the ``gpu`` extra) the MoE router's gating raises NameError and multi-latent attention tests a
+stand-in module for the real one. ``apply()`` gives each name the value "not installed" stands for; it
+changes nothing where transformer-engine is installed, and nothing on other megatron-core releases.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+# (major, minor) releases of megatron-core whose modules were read for these two names.
+CHECKED_MCORE_VERSIONS = ((0, 16),)
+
+
+def apply() -> bool:
+    """Idempotent; returns whether the fixes apply here (megatron-core 0.16 without transformer-engine)."""
+    import megatron.core
+
+    from rlmega.parallel.mcore_version import major_minor
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return False
+    if major_minor(megatron.core.__version__) not in CHECKED_MCORE_VERSIONS:
+        return False
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.moe import moe_utils
+
+    # RouterGatingLinearFunction reads te_general_gemm, which only the transformer-engine import binds;
+    # None selects its own torch matmul.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    # MLA imports TE's wrapper module, which stands a MagicMock in for transformer-engine, so MLA believes
+    # TE is there and calls isinstance() with a mock (TypeError).
+    multi_latent_attention.HAVE_TE = False
+    return True
