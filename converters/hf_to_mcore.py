@@ -12,10 +12,8 @@ Memory: the ranks together hold the model once in ``--dtype``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import os
 import sys
 import threading
 import time
@@ -104,21 +102,6 @@ def _hf_bytes(hf_dir: Path, dtype: torch.dtype, spec, tp: int) -> int:
     return (numel + padding) * dtype.itemsize
 
 
-@contextlib.contextmanager
-def _cpu_only():
-    """Spawned ranks see no GPU: they run over gloo on CPU (rlmega's CPU platform), also on a GPU
-    node, so a conversion needs no free GPUs."""
-    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = previous
-
-
 def _watch(directory: Path, total: int, quiet: bool, stop: threading.Event) -> None:
     """A bytes progress bar over what Megatron has written so far."""
     from tqdm import tqdm
@@ -160,9 +143,9 @@ def convert(hf_dir: str | Path, output: str | Path, layout, *, dtype: Optional[t
         watcher = threading.Thread(target=_watch, args=(partial, total, quiet, stop), daemon=True)
         watcher.start()
         try:
-            with _cpu_only():
-                run_on_ranks(_save_rank, layout.world_size, timeout_s=timeout_s, quiet=True,
-                             args=(layout, str(hf_dir), str(target), dtype))
+            # cpu_only: the ranks run over gloo on the CPU, also on a GPU node, so a conversion needs no free GPUs
+            run_on_ranks(_save_rank, layout.world_size, timeout_s=timeout_s, quiet=True, cpu_only=True,
+                         args=(layout, str(hf_dir), str(target), dtype))
         except RankFailure as failure:
             raise ConversionError(failure.cause) from failure
         finally:

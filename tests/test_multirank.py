@@ -79,6 +79,25 @@ def test_ranks_are_spawned_where_the_caller_sees_a_gpu(monkeypatch):
     assert run_on_ranks(_how_started, 1, timeout_s=120) == [(False, "gloo")]
 
 
+def _visible_devices(rank, world_size):
+    import torch.distributed as dist
+
+    return os.environ.get("CUDA_VISIBLE_DEVICES"), str(dist.get_backend())
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_cpu_only_ranks_see_no_gpu_and_the_caller_keeps_its_own(start_method, monkeypatch):
+    """A conversion and ``rlmega smoke`` run on the CPU also on a GPU node: their ranks see no device."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert run_on_ranks(_visible_devices, 2, timeout_s=120, cpu_only=True,
+                        start_method=start_method) == [("", "gloo")] * 2
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert run_on_ranks(_visible_devices, 1, timeout_s=120, start_method=start_method) == [("0,1", "gloo")]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    run_on_ranks(_visible_devices, 1, timeout_s=120, cpu_only=True, start_method=start_method)
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
 def test_the_default_backend_takes_cpu_tensors_beside_nccl(monkeypatch):
     """NCCL moves only CUDA tensors; the metrics and counts rlmega reduces on the host go over gloo."""
     import torch

@@ -1,8 +1,9 @@
 """``rlmega smoke``: the smallest real thing, end to end on this machine.
 
 Trains the tiny Megatron GPT on a counting task with Megatron-Core's own schedule, DDP and optimizer,
-on gloo ranks spawned here (CPU) in the parallel layout you ask for, and prints the loss live. The
-loss starts near ln(1024) ≈ 6.93 (a uniform guess over the vocabulary) and falls as the model learns to count.
+on gloo ranks started here (on the CPU, also on a GPU node) in the parallel layout you ask for, and
+prints the loss live. The loss starts near ln(1024) ≈ 6.93 (a uniform guess over the vocabulary) and
+falls as the model learns to count.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         results = run_on_ranks(
-            _train, layout.world_size, timeout_s=args.timeout,
+            _train, layout.world_size, timeout_s=args.timeout, cpu_only=True,
             args=(layout, args.steps, args.lr, args.micro_batches),
         )
     except RankFailure as failure:

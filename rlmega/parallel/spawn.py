@@ -17,6 +17,7 @@ person: the exception's message, without the traceback or the rank.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import multiprocessing as mp
@@ -157,6 +158,21 @@ def _stop(processes: Sequence[mp.Process]) -> None:
         proc.join()
 
 
+@contextlib.contextmanager
+def _gpus_hidden(hide: bool):
+    """``CUDA_VISIBLE_DEVICES`` empty while the ranks start (they take this process's environment), if ``hide``."""
+    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hide:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if hide and previous is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        elif hide:
+            os.environ["CUDA_VISIBLE_DEVICES"] = previous
+
+
 def _context(start_method: str):
     if start_method not in ("forkserver", "spawn"):
         raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
@@ -174,6 +190,7 @@ def run_on_ranks(
     args: tuple = (),
     quiet: bool = False,
     start_method: Optional[str] = None,
+    cpu_only: bool = False,
 ) -> list:
     """Run ``body(rank, world_size, *args)`` on ``world_size`` new ranks.
 
@@ -182,30 +199,32 @@ def run_on_ranks(
     still running when ``timeout_s`` ran out. ``quiet``: the ranks print no warnings and no log
     records below ERROR (command-line tools, whose user should see only the cause of a failure).
     ``start_method``: ``"forkserver"`` (ranks start with the heavy imports done) or ``"spawn"``; None picks
-    ``"spawn"`` where this process sees a GPU, else ``"forkserver"``.
+    ``"spawn"`` where this process sees a GPU, else ``"forkserver"``. ``cpu_only``: the ranks see no GPU and
+    run on the CPU over gloo, also on a GPU node (a conversion, ``rlmega smoke``).
     """
-    if start_method is None:
-        import torch
+    with _gpus_hidden(cpu_only):
+        if start_method is None:
+            import torch
 
-        start_method = "spawn" if torch.cuda.is_available() else "forkserver"
-    ctx = _context(start_method)
-    forked = start_method == "forkserver"
-    results = ctx.Queue()
-    port = free_port()
-    # Collectives time out a little before the harness does, so a hung rank reports itself.
-    collective_timeout_s = max(5.0, timeout_s * 0.8)
-    processes = [
-        ctx.Process(
-            target=_rank_main,
-            args=(body, rank, world_size, port, collective_timeout_s, args, results, quiet,
-                  dict(os.environ) if forked else None, _CallerStdio() if forked else None),
-            name=f"rank{rank}",
-            daemon=False,  # ranks may start helper processes (dist_checkpointing does)
-        )
-        for rank in range(world_size)
-    ]
-    for proc in processes:
-        proc.start()
+            start_method = "spawn" if torch.cuda.is_available() else "forkserver"
+        ctx = _context(start_method)
+        forked = start_method == "forkserver"
+        results = ctx.Queue()
+        port = free_port()
+        # Collectives time out a little before the harness does, so a hung rank reports itself.
+        collective_timeout_s = max(5.0, timeout_s * 0.8)
+        processes = [
+            ctx.Process(
+                target=_rank_main,
+                args=(body, rank, world_size, port, collective_timeout_s, args, results, quiet,
+                      dict(os.environ) if forked else None, _CallerStdio() if forked else None),
+                name=f"rank{rank}",
+                daemon=False,  # ranks may start helper processes (dist_checkpointing does)
+            )
+            for rank in range(world_size)
+        ]
+        for proc in processes:
+            proc.start()
     values: dict[int, Any] = {}
     errors: dict[int, tuple] = {}  # in arrival order: (traceback, type name, message, bad input)
     dead: dict[int, int] = {}
