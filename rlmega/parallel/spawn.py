@@ -161,15 +161,17 @@ def _stop(processes: Sequence[mp.Process]) -> None:
 @contextlib.contextmanager
 def _gpus_hidden(hide: bool):
     """``CUDA_VISIBLE_DEVICES`` empty while the ranks start (they take this process's environment), if ``hide``."""
+    if not hide:
+        yield
+        return
     previous = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if hide:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:
         yield
     finally:
-        if hide and previous is None:
+        if previous is None:
             del os.environ["CUDA_VISIBLE_DEVICES"]
-        elif hide:
+        else:
             os.environ["CUDA_VISIBLE_DEVICES"] = previous
 
 
