@@ -17,7 +17,7 @@ set -euo pipefail
 
 usage() {
     cat <<'EOF'
-Usage: bash tests/gpu/run_gpu_checks.sh [--tier minimal|cluster] [--wheels DIR] [--check-timeout SECONDS] [--log FILE] [--list] [-- PYTEST_ARGS...]
+Usage: bash tests/gpu/run_gpu_checks.sh [--tier minimal|cluster] [--wheels DIR] [--check-timeout SECONDS] [--log FILE] [--only NAMES] [--list] [-- PYTEST_ARGS...]
 
   --tier minimal        (default) single GPU, air-gapped: runs with $PYTHON (default: python3), installs nothing
   --wheels DIR          minimal tier: first unpack DIR/*.whl (from tests/gpu/fetch_wheels.sh) into a temporary
@@ -27,10 +27,13 @@ Usage: bash tests/gpu/run_gpu_checks.sh [--tier minimal|cluster] [--wheels DIR] 
   --check-timeout S     wall-clock limit of one check (default: 300)
   --log FILE            also write every check's whole pytest output to FILE (the console shows a failure's
                         last 40 lines)
+  --only NAMES          run only these checks of the tier (comma-separated names from --list), e.g. to rerun
+                        the ones that failed
   --list                print the checks of the tier and exit
   -h, --help            this text
 
-Prints one line per check: PASS|FAIL|SKIP <check> (<seconds>s), then a summary; exits 1 if any check failed (on the minimal tier, also if any was skipped).
+Prints one line per check: PASS|FAIL|SKIP <check> (<seconds>s), then what the check measured (key=value, from
+tests/gpu/measures.py), then a summary; exits 1 if any check failed (on the minimal tier, also if any was skipped).
 EOF
 }
 
@@ -38,6 +41,7 @@ tier=minimal
 check_timeout=300
 list_only=0
 wheels=""
+only=""
 log_file=""
 pytest_args=()
 while [ $# -gt 0 ]; do
@@ -50,6 +54,8 @@ while [ $# -gt 0 ]; do
         --wheels=*) wheels="${1#--wheels=}"; shift ;;
         --log) [ $# -ge 2 ] || { echo "--log needs a file" >&2; exit 2; }; log_file="$2"; shift 2 ;;
         --log=*) log_file="${1#--log=}"; shift ;;
+        --only) [ $# -ge 2 ] || { echo "--only needs check names" >&2; exit 2; }; only="$2"; shift 2 ;;
+        --only=*) only="${1#--only=}"; shift ;;
         --list) list_only=1; shift ;;
         -h|--help) usage; exit 0 ;;
         --) shift; pytest_args=("$@"); break ;;
@@ -105,32 +111,47 @@ engine_checks() {  # the checks of one extra's environment
 
 passed=0; failed=0; skipped=0; failures=()
 
+selected() {  # name: whether --only leaves this check in
+    [ -z "$only" ] || [[ ",$only," == *",$1,"* ]]
+}
+
+check_only() {  # the tier's check names, one per line: every --only name must be one of them
+    local known="$1" name
+    for name in ${only//,/ }; do
+        grep -qxF -- "$name" <<<"$known" || {
+            echo "--only: no check '$name' in tier $tier (see: bash tests/gpu/run_gpu_checks.sh --tier $tier --list)" >&2
+            exit 2; }
+    done
+}
+
 run_check() {  # python, "name|node ids"
-    local python="$1" name="${2%%|*}" nodes="${2#*|}" log started elapsed rc
-    log="$(mktemp)"
+    local python="$1" name="${2%%|*}" nodes="${2#*|}" log measures started elapsed rc
+    selected "$name" || return 0
+    log="$(mktemp)"; measures="$(mktemp)"
     started=$(date +%s)
     set +e -f  # -f: node ids such as test_x.py::test_y[vllm] are not globs
     # shellcheck disable=SC2086
-    timeout --kill-after=10 "$check_timeout" "$python" -m pytest -p no:cacheprovider -q -rs -m gpu $nodes \
-        "${pytest_args[@]}" >"$log" 2>&1
+    RLMEGA_GPU_MEASURES="$measures" timeout --kill-after=10 "$check_timeout" "$python" -m pytest \
+        -p no:cacheprovider -q -rs -m gpu $nodes "${pytest_args[@]}" >"$log" 2>&1
     rc=$?
     set -e +f
     elapsed=$(( $(date +%s) - started ))
-    local summary; summary="$(tail -n 1 "$log")"
+    local summary measured; summary="$(tail -n 1 "$log")"
+    measured="$(paste -sd ' ' "$measures")"; measured="${measured:+: $measured}"
     if [ $rc -eq 0 ] && ! grep -q "passed" <<<"$summary"; then
         echo "SKIP $name (${elapsed}s): $(grep -m1 "^SKIPPED" "$log" || echo "$summary")"
         skipped=$((skipped + 1))
     elif [ $rc -eq 0 ]; then
-        echo "PASS $name (${elapsed}s)"
+        echo "PASS $name (${elapsed}s)$measured"
         passed=$((passed + 1))
     else
         [ $rc -eq 124 ] && summary="timed out after ${check_timeout}s"
-        echo "FAIL $name (${elapsed}s): $summary"
+        echo "FAIL $name (${elapsed}s): $summary${measured:+ (measured$measured)}"
         sed 's/^/    /' "$log" | tail -n 40
         failed=$((failed + 1)); failures+=("$name")
     fi
     [ -z "$log_file" ] || { echo "==== $name: $nodes"; cat "$log"; } >>"$log_file"
-    rm -f "$log"
+    rm -f "$log" "$measures"
 }
 
 use_wheels() {  # python: unpack the carried wheels into a temporary folder that comes first on PYTHONPATH
@@ -167,21 +188,28 @@ require_cuda() {
         echo "FAIL cuda-visible: $1 sees no CUDA device"; exit 1; }
 }
 
+list_checks() {  # the tier's check names, one per line
+    if [ "$tier" = minimal ]; then printf '%s\n' "${MINIMAL_CHECKS[@]%%|*}"; return; fi
+    local extra check
+    for extra in $extras; do for check in $(engine_checks "$extra"); do echo "${check%%|*}"; done; echo "$extra-all-gpu-tests"; done
+}
+
+extras="${RLMEGA_GPU_EXTRAS:-vllm sglang gpu}"
+if [ $list_only -eq 1 ]; then list_checks; exit 0; fi
+check_only "$(list_checks)"
+
 if [ "$tier" = minimal ]; then
-    if [ $list_only -eq 1 ]; then printf '%s\n' "${MINIMAL_CHECKS[@]%%|*}"; exit 0; fi
     python="${PYTHON:-python3}"
     use_wheels "$python"
     describe_environment "$python"
     require_cuda "$python"
     for check in "${MINIMAL_CHECKS[@]}"; do run_check "$python" "$check"; done
 else
-    extras="${RLMEGA_GPU_EXTRAS:-vllm sglang gpu}"
-    if [ $list_only -eq 1 ]; then
-        for extra in $extras; do for check in $(engine_checks "$extra"); do echo "${check%%|*}"; done; echo "$extra-all-gpu-tests"; done
-        exit 0
-    fi
     for extra in $extras; do
         checks="$(engine_checks "$extra")"
+        wanted=0  # no venv for an extra that --only leaves without checks
+        for check in $checks "$extra-all-gpu-tests|"; do selected "${check%%|*}" && wanted=1; done
+        [ $wanted -eq 1 ] || continue
         venv="${RLMEGA_GPU_VENV_PREFIX:-$root/.venv-gpu}-$extra"
         [ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
         "$venv/bin/python" -m pip install -q -e ".[test,$extra]"
@@ -193,5 +221,9 @@ else
 fi
 
 echo "tier $tier: $passed passed, $failed failed, $skipped skipped${failures:+ (failed: ${failures[*]})}"
+if [ $failed -gt 0 ]; then
+    names="${failures[*]}"
+    echo "rerun the failed checks with: --only ${names// /,}"
+fi
 # On the minimal tier every check must run: a skip there means the machine lacks what the tier promises.
 [ $failed -eq 0 ] && { [ "$tier" = cluster ] || [ $skipped -eq 0 ]; }

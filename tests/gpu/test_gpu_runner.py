@@ -99,6 +99,74 @@ def test_carried_wheels_come_first_and_a_machine_without_cuda_fails_at_once(tmp_
     assert len(lines) == 2 and result.stderr == "", result
 
 
+FAKE_PYTHON = """#!/usr/bin/env bash
+# Stands in for the GPU machine's Python: CUDA is there, every check passes and measures, but the hf engine's fails.
+case "$1" in
+    -) cat >/dev/null; echo "environment: fake" ;;
+    -c) exit 0 ;;
+    -m) [ "$2" = pytest ] || exit 3
+        if [[ "$*" == *test_hf_engine_on_gpu_in_bf16* ]]; then
+            echo "rescored_max=0.5" >>"$RLMEGA_GPU_MEASURES"; echo "E   assert 0.5 <= 0.1"; echo "1 failed in 0.01s"; exit 1
+        fi
+        echo "cosine=0.999" >>"$RLMEGA_GPU_MEASURES"; echo "mib=29.3" >>"$RLMEGA_GPU_MEASURES"; echo "1 passed in 0.01s" ;;
+    *) exit 3 ;;
+esac
+"""
+
+
+def _run_with_fake_python(tmp_path, *args):
+    python = tmp_path / "python"
+    python.write_text(FAKE_PYTHON)
+    python.chmod(0o755)
+    return subprocess.run(["bash", str(RUNNER), *args], cwd=ROOT, env=dict(os.environ, PYTHON=str(python)),
+                          capture_output=True, text=True, timeout=LIMIT_S)
+
+
+def test_each_check_line_carries_what_it_measured_and_failures_name_their_rerun(tmp_path):
+    result = _run_with_fake_python(tmp_path)
+    assert result.returncode == 1, result
+    lines = [line for line in result.stdout.splitlines() if line[:4] in ("PASS", "FAIL")]
+    names = subprocess.run(["bash", str(RUNNER), "--list"], capture_output=True, text=True,
+                           timeout=LIMIT_S).stdout.split()
+    assert [line.split()[1] for line in lines] == names
+    for line in lines:
+        if line.startswith("PASS"):
+            assert re.fullmatch(r"PASS [\w-]+ \(\d+s\): cosine=0\.999 mib=29\.3", line), line
+    assert re.fullmatch(r"FAIL hf-engine-cuda-bf16 \(\d+s\): 1 failed in 0\.01s \(measured: rescored_max=0\.5\)",
+                        lines[names.index("hf-engine-cuda-bf16")]), lines
+    tail = result.stdout.splitlines()[-2:]
+    assert tail == ["tier minimal: 9 passed, 1 failed, 0 skipped (failed: hf-engine-cuda-bf16)",
+                    "rerun the failed checks with: --only hf-engine-cuda-bf16"], tail
+
+
+def test_only_runs_the_named_checks_and_refuses_an_unknown_name(tmp_path):
+    result = _run_with_fake_python(tmp_path, "--only", "bridge-export-cuda-bf16,worker-logprobs-vs-transformers")
+    assert result.returncode == 0, result
+    ran = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("PASS")]
+    assert ran == ["worker-logprobs-vs-transformers", "bridge-export-cuda-bf16"], result.stdout  # the tier's order
+    assert result.stdout.splitlines()[-1] == "tier minimal: 2 passed, 0 failed, 0 skipped"
+
+    result = _run_with_fake_python(tmp_path, "--only", "bridge-export")
+    assert result.returncode == 2 and result.stdout == "", result
+    assert result.stderr.strip() == ("--only: no check 'bridge-export' in tier minimal "
+                                     "(see: bash tests/gpu/run_gpu_checks.sh --tier minimal --list)")
+
+
+def test_measured_formats_numbers_and_writes_only_for_the_runner(tmp_path, monkeypatch):
+    import torch
+
+    from gpu.measures import ENV, measured
+
+    monkeypatch.delenv(ENV, raising=False)
+    line = measured(cosine=torch.tensor(0.99871), bytes=30_693_888, count=12, ok=True, kind="llama")
+    assert line == "cosine=0.999 bytes=30_693_888 count=12 ok=True kind=llama"
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setenv(ENV, str(tmp_path / "measures"))
+    measured(worst=0.0123)
+    measured(mib=29.27)
+    assert (tmp_path / "measures").read_text() == "worst=0.0123\nmib=29.3\n"
+
+
 def test_the_runner_refuses_an_empty_wheels_folder(tmp_path):
     result = subprocess.run(["bash", str(RUNNER), "--wheels", str(tmp_path)], cwd=ROOT, capture_output=True,
                             text=True, timeout=LIMIT_S)

@@ -16,6 +16,7 @@ import torch
 from rlmega.parallel.spawn import run_on_ranks
 
 from .conftest import ENGINE_MODELS
+from .measures import measured
 from .minimal_checks import (distributed_optimizer_body, export_body, hf_engine_check, offload_body, sync_body,
                              update_body)
 
@@ -39,6 +40,7 @@ def _check_update(got: dict, reference: dict) -> None:
     moved, expected = _flat(got["delta"]), _flat(reference["delta"])
     assert expected.abs().max() > 0, "the reference update moved no weight"
     cosine = torch.nn.functional.cosine_similarity(moved, expected, dim=0).item()
+    measured(cosine=cosine, grad_norm_ratio=got["grad_norm"] / reference["grad_norm"])
     assert cosine >= UPDATE_COSINE_MIN, cosine
     assert got["grad_norm"] == pytest.approx(reference["grad_norm"], rel=GRAD_NORM_RTOL)
 
@@ -67,6 +69,7 @@ def test_update_contract_on_cpu(gpu_llama_dir, cpu_only_children):
 # ---- offload -> onload ---------------------------------------------------------------------------
 
 def _check_offload(result: dict, on_gpu: bool) -> None:
+    measured(moved_mib=result["moved_out"] / 2**20, freed_mib=result["freed"] / 2**20)
     assert result["moved_out"] == result["moved_in"] > 0
     assert result["released"] and result["identical"] and result["on_device"] and result["trains"], result
     if on_gpu:  # the bytes offloaded left the device (the caching allocator's counter)
@@ -90,6 +93,7 @@ def test_distributed_optimizer_over_nccl_equals_the_plain_one(gpu_llama_dir):
                                                                   (True, False))
     assert all(name == "DistributedOptimizer" for name in sharded_classes), sharded_classes
     assert not any(name == "DistributedOptimizer" for name in plain_classes), plain_classes
+    measured(max_abs_diff=max((sharded[name] - tensor).abs().max().item() for name, tensor in plain.items()))
     for name, tensor in plain.items():
         torch.testing.assert_close(sharded[name], tensor, atol=1e-5, rtol=0, msg=name)
 
@@ -106,6 +110,7 @@ def test_distributed_optimizer_contract_on_cpu(gpu_llama_dir, cpu_only_children)
 # ---- the bridge's export -------------------------------------------------------------------------
 
 def _check_export(result: dict, device: str, dtype: torch.dtype) -> None:
+    measured(tensors=len(result["names"]), differing=len(result["differing"]))
     assert result["device"] == device
     assert result["names"] == result["checkpoint_names"]
     assert result["devices"] == {device} and result["dtypes"] == {dtype}, result
@@ -124,6 +129,7 @@ def test_export_contract_on_cpu(gpu_llama_dir, cpu_only_children):
 # ---- the hf engine -------------------------------------------------------------------------------
 
 def _check_hf_engine(result: dict, atol: float) -> None:
+    measured(rescored_max=result["rescored_max"], freed_mib=result["freed"] / 2**20)
     assert result["rescored_max"] <= atol, result  # batched, left-padded decoding against one sequence
     assert result["version"] == 1 and result["changed"] and result["updated_equals_fresh"], result
     assert result["same_after_wake"], result
@@ -143,7 +149,8 @@ def test_hf_engine_contract_on_cpu(gpu_llama_dir, gpu_llama_other_dir):
 
 # ---- an in-process sync and the post-sync check --------------------------------------------------
 
-def _check_sync(result: dict) -> None:
+def _check_sync(result: dict, kind: str) -> None:
+    measured(**{f"{kind}_worst": result["worst"], f"{kind}_mib": result["bytes"] / 2**20})
     assert result["caught_unsynced"], "the post-sync check passed an engine serving other weights"
     assert result["transport"] == "in_process" and result["bytes"] > 0 and result["version"] == 1, result
     assert result["synced_on_device"], result
@@ -153,12 +160,12 @@ def _check_sync(result: dict) -> None:
 @pytest.mark.parametrize("kind", ENGINE_MODELS)
 def test_in_process_sync_and_post_sync_check_in_bf16(gpu_model_dirs, kind):
     result = _on_rank(sync_body, gpu_model_dirs(kind), gpu_model_dirs(kind, 1), "bf16", SYNC_ATOL_BF16)
-    _check_sync(result)
+    _check_sync(result, kind)
     assert result["worst"] <= SYNC_ATOL_BF16
 
 
 @pytest.mark.parametrize("kind", ENGINE_MODELS)
 def test_sync_contract_on_cpu(gpu_model_dirs, kind, cpu_only_children):
     result = _on_rank(sync_body, gpu_model_dirs(kind), gpu_model_dirs(kind, 1), "fp32", SYNC_ATOL_FP32)
-    _check_sync(result)
+    _check_sync(result, kind)
     assert result["worst"] <= SYNC_ATOL_FP32

@@ -19,6 +19,7 @@ from rlmega.workers.config import BatchingConfig, OptimizerConfig, PolicyLossCon
 from rlmega.workers.worker import MegatronWorker
 
 from .conftest import PROMPTS
+from .measures import measured
 
 pytestmark = pytest.mark.gpu
 
@@ -64,10 +65,16 @@ def test_worker_logprobs_match_hf_on_gpu(single_rank, gpu_llama_dir, dtype, pack
     logprobs, _ = worker.compute_logprobs(batch)
     expected = _hf_logprobs(gpu_llama_dir, batch)
     differences = torch.cat([(got - want).abs() for got, want in zip(logprobs, expected)])
+    measured(**{f"{dtype}_{'packed' if packing else 'padded'}_max": differences.max(),
+                f"{dtype}_{'packed' if packing else 'padded'}_mean": differences.mean()})
     if dtype == "fp32":
         assert differences.max() <= 1e-3, differences.max()
     else:
         assert differences.mean() <= 0.03, differences.mean()
+
+
+def _largest_difference(got: dict, want: dict) -> float:
+    return max((tensor - want[name]).abs().max().item() for name, tensor in got.items())
 
 
 def _updated_weights(layout, hf_dir, packing):
@@ -89,6 +96,7 @@ def test_packed_update_equals_padded_on_gpu(single_rank, gpu_llama_dir):
     packed = _updated_weights(single_rank, gpu_llama_dir, packing=True)
     padded = _updated_weights(single_rank, gpu_llama_dir, packing=False)
     assert packed.keys() == padded.keys()
+    measured(max_abs_diff=_largest_difference(packed, padded))
     for name, tensor in packed.items():
         torch.testing.assert_close(tensor, padded[name], atol=1e-4, rtol=0, msg=name)
 
@@ -103,5 +111,6 @@ def test_response_row_logits_update_equals_the_full_output_layer_on_gpu(single_r
     monkeypatch.setattr(lm_head, "install", lambda model, vocab_size: False)
     full = _updated_weights(single_rank, gpu_llama_dir, packing=True)
     assert rows.keys() == full.keys()
+    measured(max_abs_diff=_largest_difference(rows, full))
     for name, tensor in rows.items():
         torch.testing.assert_close(tensor, full[name], atol=1e-4, rtol=0, msg=name)
