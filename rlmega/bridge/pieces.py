@@ -110,8 +110,33 @@ def _piece_unit(canonical: str, entry: tuple, full: dict, geometry: Geometry) ->
     return _Unit(canonical, tuple(Piece(name, t.dtype, tuple(t.shape), owners, split_dim) for name, t in full.items()))
 
 
+def _layer_of(name: str) -> Optional[tuple[str, int]]:
+    """``(prefix, index)`` of the name's outermost numbered segment (``model.layers.3.mlp.experts.7...``: layer 3)."""
+    parts = name.split(".")
+    index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    return None if index is None else (".".join(parts[:index]), int(parts[index]))
+
+
+def in_layer_order(units: list[_Unit]) -> list[_Unit]:
+    """``units`` in the order vLLM 0.33's layer-by-layer transfer requires of a source's metadata
+    (``layerwise_groups`` in vllm/distributed/weight_transfer/base.py): what comes before the first numbered
+    layer (the embedding), then each layer whole (its experts included; stacks by first appearance, layers by
+    index), then the rest (final norm, LM head). The export announces experts after the dense parameters, so
+    without this a MoE layer would be split in two. Stable within a layer."""
+    keys, stacks = [], {}
+    for unit in units:
+        layer = _layer_of(unit.pieces[0].name)
+        if layer is None:
+            keys.append((1 if stacks else -1, 0, 0))  # after the first numbered layer: the tail
+        else:
+            stacks.setdefault(layer[0], len(stacks))
+            keys.append((0, stacks[layer[0]], layer[1]))
+    return [units[i] for i in sorted(range(len(units)), key=keys.__getitem__)]
+
+
 def _announce(exported: dict, spec: ModelSpec) -> list[_Unit]:
-    return announce_units(exported, spec, _piece_unit)
+    # Every rank orders the same list the same way, so each TP group still meets its gathers in one order.
+    return in_layer_order(announce_units(exported, spec, _piece_unit))
 
 
 def piece_layout(chunks: list, spec: ModelSpec) -> list[Piece]:

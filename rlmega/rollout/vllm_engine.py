@@ -11,6 +11,9 @@ Two ways to get new weights in:
 - disaggregated: ``init_weight_update_group(...)`` joins the workers to a process group with one
   trainer rank (``rlmega.rollout.weight_group``), then ``begin_update`` / ``receive_weights(metas)`` /
   ``commit_update`` receive buckets that the trainer rank broadcasts with ``broadcast_weights``.
+- vLLM's own ``sharded_rdt`` transfer (``weight_transfer="sharded_rdt"``): each worker pulls only its slices
+  from the trainer ranks (``rlmega.rollout.vllm_sharded``, which calls the ``native_transfer_*`` methods);
+  the two ways above are then refused, since vLLM runs one weight-transfer backend per engine.
 
 ``record_routing=True`` builds the engine with ``enable_return_routed_experts`` (MoE routing replay, R3): every
 ``Generation`` then carries the experts its tokens went to (``Generation.routing``).
@@ -25,6 +28,7 @@ tests/rollout/fakes/api/vllm.json is what the wheel's source says of each call.
 from __future__ import annotations
 
 import io
+import math
 import os
 import threading
 
@@ -36,6 +40,8 @@ from rlmega.rollout.engine_common import (
     EngineResponse,
     ModelFacts,
     adapter_settings,
+    runs_model,
+    serialised,
     check_version,
     image_token_runs,
 )
@@ -45,6 +51,9 @@ from rlmega.data.schema import ImageInputs
 from rlmega.data.images import keeping_sizes
 
 SUPPORTED_VERSIONS = ((0, 33), (0, 34))  # setup.py's `vllm` extra: vllm>=0.33,<0.34
+# vLLM's weight-transfer backend the engine is built with: "nccl" for rlmega's own transports (its start / finish
+# run the layerwise reload around rlmega's loads), "sharded_rdt" for rlmega.rollout.vllm_sharded.
+WEIGHT_TRANSFERS = ("nccl", "sharded_rdt")
 WORKER_EXTENSION = "rlmega.rollout.vllm_engine.VLLMWorkerExtension"
 
 
@@ -77,7 +86,7 @@ def _import_vllm():
     return vllm
 
 
-def _engine_settings(record_routing: bool) -> dict:
+def _engine_settings(record_routing: bool, weight_transfer: str = "nccl") -> dict:
     """Engine arguments the adapter depends on."""
     routing = {"enable_return_routed_experts": True} if record_routing else {}
     return {
@@ -96,7 +105,7 @@ def _engine_settings(record_routing: bool) -> dict:
         "worker_extension_cls": WORKER_EXTENSION,
         # Enables vLLM's weight-update session (start_weight_update / finish_weight_update raise without
         # it); the NCCL engine's start and finish run the layerwise reload around our loads.
-        "weight_transfer_config": {"backend": "nccl"},
+        "weight_transfer_config": {"backend": weight_transfer},
     }
 
 
@@ -178,6 +187,14 @@ def _finish_update(llm, version: int) -> None:
     llm.finish_weight_update(weight_version=str(version))
 
 
+def _init_transfer(llm, init_info: dict) -> None:
+    llm.init_weight_transfer_engine({"init_info": init_info})  # RLOfflineMixin takes the request as a dict too
+
+
+def _transfer_update(llm, update_info: dict) -> None:
+    llm.update_weights({"update_info": update_info})
+
+
 def _load_weights(llm, bucket: list[tuple[str, torch.Tensor]]) -> None:
     llm.collective_rpc("rlmega_load_weights", args=(bucket,))
 
@@ -247,15 +264,22 @@ class VLLMEngine(EngineAdapter):
     ``in_process=True`` runs vLLM's engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
     ``record_routing=True`` (a MoE checkpoint only: a dense one raises ``ValueError`` here) makes every
     ``Generation`` carry ``routing``, ``[P + R, M, k]`` int16 (vLLM then needs prefix caching, its default,
-    and refuses pipeline or context parallelism).
+    and refuses pipeline or context parallelism). ``weight_transfer`` is vLLM's weight-transfer backend
+    (``WEIGHT_TRANSFERS``): ``"nccl"`` for rlmega's transports, ``"sharded_rdt"`` for ``ShardedSync``.
     """
 
     engine_name = "vllm"
 
     def __init__(self, model: str | os.PathLike, *, in_process: bool = True,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, record_routing: bool = False, **engine_kwargs):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, record_routing: bool = False,
+                 weight_transfer: str = "nccl", **engine_kwargs):
+        if weight_transfer not in WEIGHT_TRANSFERS:
+            raise ValueError(f"VLLMEngine weight_transfer={weight_transfer!r}: choose one of {list(WEIGHT_TRANSFERS)}")
         self._vllm = _import_vllm()
-        engine_kwargs = adapter_settings("VLLMEngine", engine_kwargs, _engine_settings(record_routing))
+        self.weight_transfer = weight_transfer
+        engine_kwargs = adapter_settings("VLLMEngine", engine_kwargs, _engine_settings(record_routing, weight_transfer))
+        self._workers = math.prod(int(engine_kwargs.get(key) or 1) for key in (
+            "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"))
         super().__init__(model, bucket_bytes=bucket_bytes, engine_version=self._vllm.__version__,
                          record_routing=record_routing)
         if in_process:
@@ -318,4 +342,54 @@ class VLLMEngine(EngineAdapter):
         cache indexed did not survive the sleep, so it is dropped too."""
         _wake_up(self.llm, tags)
         if "kv_cache" in tags:
+            _drop_prefix_cache(self.llm)
+
+    # ------------------------------------------------------------------ weights through vLLM's sharded_rdt
+
+    @runs_model
+    def begin_update(self, version: int) -> None:
+        if self.weight_transfer != "nccl":
+            raise RuntimeError(f"this vLLM engine was built with weight_transfer={self.weight_transfer!r}: vLLM runs "
+                               "one weight-transfer backend per engine, so its weights come through "
+                               "rlmega.rollout.vllm_sharded.ShardedSync; build it with weight_transfer='nccl' for "
+                               "rlmega's own transports")
+        super().begin_update(version)
+
+    def native_transfer_workers(self) -> int:
+        """The engine's workers (tensor x pipeline x data parallel): vLLM's consumers of one engine."""
+        return self._workers
+
+    def _require_native(self) -> None:
+        if self.weight_transfer == "nccl":
+            raise RuntimeError("this vLLM engine was built for rlmega's own transports (weight_transfer='nccl'); "
+                               f"ShardedSync needs VLLMEngine(..., weight_transfer={WEIGHT_TRANSFERS[1]!r})")
+
+    @serialised
+    def native_transfer_init(self, init_info: dict) -> None:
+        """Hand the workers the trainer's plan (``ShardedRDTWeightTransferInitInfo`` as a dict)."""
+        self._require_native()
+        _init_transfer(self.llm, init_info)
+
+    @serialised
+    def native_transfer_start(self, version: int) -> None:
+        """Open vLLM's update as ``version``: from here until ``native_transfer_finish`` the weights are mixed."""
+        self._require_native()
+        self._book.begin(version)
+        self._wake_weights()
+        self._book.sending()
+        _start_update(self.llm)
+
+    @serialised
+    def native_transfer_update(self, update_info: dict) -> None:
+        """Blocks until every worker has pulled every group (vLLM's ``update_weights``)."""
+        _transfer_update(self.llm, update_info)
+
+    @serialised
+    def native_transfer_finish(self) -> None:
+        """Close the update: every weight was pulled, so the version commits (also after a level-2 sleep)."""
+        version = self._book.pending
+        _finish_update(self.llm, version)
+        self._book.sent(self._book.names)
+        self._book.commit()
+        if "kv_cache" not in self._asleep_tags:
             _drop_prefix_cache(self.llm)

@@ -15,9 +15,8 @@ along one dimension (``Shard``) or held whole by each owner. ``nccl_m2n_refusal`
 every parameter owned by all trainer ranks in rank order, which only a trainer that is one tensor-parallel group
 (no pipeline, data or expert parallelism) gives; ``sharded_rdt`` takes any owners.
 
-Driving those backends (``WeightTransferTrainerFactory.trainer_init(init_info, client=..., source=...)`` then
-``send_weights()`` on every trainer rank) needs GPUs, and for ``nccl_m2n`` NVIDIA's nccl-extensions, for
-``sharded_rdt`` NIXL; that is not wired yet (the sync README).
+``rlmega.rollout.vllm_sharded.ShardedSync`` drives ``sharded_rdt`` with this source; ``nccl_m2n`` (NVIDIA's
+nccl-extensions, a trainer that is one TP group) is not driven.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from deepseek_mtp_models import save_tiny_deepseek_mtp
 from hf_models import save_tiny_model
 from rlmega.bridge import load_hf_weights
 from rlmega.bridge.pieces import Piece, bytes_held, full_tensors, local_pieces, piece_layout
+from rollout.fakes.fake_vllm_weight_transfer import layerwise_groups  # the wheel's rule
 from rlmega.models import build_chunks, model_spec_from_hf
 from rlmega.parallel.layout import ParallelLayout, destroy, initialize
 from rlmega.parallel.spawn import run_on_ranks
@@ -84,6 +85,11 @@ def test_pieces_reassemble_to_the_checkpoint(case, tmp_path):
             assert torch.equal(tensor, expected), piece.name
         for owner in piece.owners:
             assert torch.equal(dict(results[owner]["full"])[piece.name], expected), piece.name
+
+    # vLLM's sharded_rdt gathers and frees layer by layer: it refuses metadata whose order is not its
+    # layerwise_groups' (embedding first, then each decoder layer whole, MTP included, then the final norm and head).
+    names = [piece.name for piece in pieces]
+    assert [name for group in layerwise_groups(names) for name in group] == names
 
     held = bytes_held(pieces)  # the layout's count is what each rank handed over
     assert held == {rank: sum(t.numel() * t.element_size() for _, t in result["local"])

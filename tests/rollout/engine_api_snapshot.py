@@ -56,7 +56,14 @@ TARGETS = {
         # rlmega.rollout.vllm_weight_source: the trainer's weights as the resharding backends read them.
         "vllm/distributed/weight_transfer/base.py": {
             "ParamMeta": "fields", "Shard": "fields", "Replicate": "fields", "WeightSource.owned_names": "signature",
-            "WeightSource.iter_local": "signature", "WeightSource.iter_full": "signature"},
+            "WeightSource.iter_local": "signature", "WeightSource.iter_full": "signature",
+            "TrainerInitInfo": "fields", "TrainerWeightTransferEngine.send_weights": "signature"},
+        # rlmega.rollout.vllm_sharded: the sharded_rdt backend driven from every trainer rank.
+        "vllm/distributed/weight_transfer/factory.py": {"WeightTransferTrainerFactory.trainer_init": "signature"},
+        "vllm/distributed/weight_transfer/sharded_rdt_trainer.py": {
+            "ShardedRDTTrainerInitInfo": "fields", "ShardedRDTTrainerWeightTransferEngine.send_weights": "signature"},
+        "vllm/distributed/weight_transfer/sharded_rdt_engine.py": {
+            "ShardedRDTWeightTransferInitInfo": "fields", "ShardedRDTWeightTransferUpdateInfo": "fields"},
         "vllm/engine/arg_utils.py": {"EngineArgs": "fields"},
     },
     "sglang": {

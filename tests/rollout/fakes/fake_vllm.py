@@ -311,6 +311,30 @@ class LLM:
         if weight_version is not None:
             self.weight_version = weight_version
 
+    @checked("RLOfflineMixin.init_weight_transfer_engine")
+    def init_weight_transfer_engine(self, request) -> None:
+        self._check_weight_transfer()
+        init_info = request["init_info"] if isinstance(request, dict) else request.init_info
+        if self.engine_args["weight_transfer_config"].get("backend") == "sharded_rdt":
+            api_snapshot.check_fields(API, "ShardedRDTWeightTransferInitInfo", init_info)
+        self.calls.append(("init_weight_transfer_engine", init_info))
+        self.transfer_init = init_info
+        self.syncs = 0
+
+    @checked("RLOfflineMixin.update_weights")
+    def update_weights(self, request) -> None:
+        self._check_weight_transfer()
+        update_info = request["update_info"] if isinstance(request, dict) else request.update_info
+        self.calls.append(("update_weights", update_info))
+        if not self._updating:
+            raise RuntimeError("update_weights outside start_weight_update / finish_weight_update")
+        if self.engine_args["weight_transfer_config"].get("backend") == "sharded_rdt":
+            from .fake_vllm_weight_transfer import pull
+
+            api_snapshot.check_fields(API, "ShardedRDTWeightTransferUpdateInfo", update_info)
+            self.worker.model_runner.model.load_weights(pull(self.transfer_init, self.syncs))
+            self.syncs += 1
+
     @checked("LLM.collective_rpc")
     def collective_rpc(self, method, timeout: Optional[float] = None, args: tuple = (),
                        kwargs: Optional[dict[str, Any]] = None) -> list:
