@@ -131,6 +131,9 @@ def validate(config: RLConfig) -> None:
         raise ConfigError(f"actor.{error}") from error
     _require(config.sync.transport == "auto" or config.sync.transport in _transports(), "sync.transport",
              f"{config.sync.transport!r} is not one of auto, {', '.join(sorted(_transports()))}")
+    _require(config.sync.transport != SHARDED_RDT or config.rollout.backend == "vllm", "sync.transport",
+             f"{SHARDED_RDT} is vLLM's own weight transfer, but rollout.backend is {config.rollout.backend!r}: "
+             "set rollout.backend=vllm, or choose another transport")
     _require(config.sync.bucket_bytes > 0 and config.sync.timeout_s > 0, "sync.bucket_bytes / sync.timeout_s",
              "must be > 0")
     _require(config.sync.check_every >= 1, "sync.check_every", "must be >= 1")
@@ -419,10 +422,13 @@ def _check_choices(node, prefix: str) -> None:
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "grpo_passk", "gpg", "rloo", "reinforce_plus_plus_baseline")
 
 
+SHARDED_RDT = "sharded_rdt"  # rlmega.rollout.vllm_sharded.BACKEND, named here without importing the engine
+
+
 def _transports() -> tuple[str, ...]:
     from rlmega.sync.transports import TRANSPORTS
 
-    return tuple(TRANSPORTS)
+    return (*TRANSPORTS, SHARDED_RDT)
 
 
 def to_yaml(config: RLConfig) -> str:

@@ -235,7 +235,9 @@ class SyncConfig:
     bucket_bytes: int = 64 * 1024**2
     """Bucket size: the export gathers and sends this many bytes at a time."""
     transport: str = "auto"
-    """in_process | object_store | shared_memory | broadcast | auto (by where the engines run)."""
+    """in_process | object_store | shared_memory | broadcast | auto (by where the engines run), or sharded_rdt:
+    vLLM's own transfer, each engine worker pulling only its slices from every training rank (vLLM engines;
+    needs Ray's NIXL transport; rlmega/sync/README.md)."""
     timeout_s: float = 600.0
     """Longest wait for one bucket (or the whole sync) before the run stops naming the engine."""
     post_sync_check: bool = True

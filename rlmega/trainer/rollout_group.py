@@ -158,6 +158,8 @@ def _engine(config: RLConfig) -> tuple[type, dict]:
             # whose workers would wait for GPUs this actor, or colocated the training ranks, already hold; its
             # multiprocessing executor starts them on the GPUs this actor sees.
             arguments.setdefault("distributed_executor_backend", "mp")
+        if config.sync.transport == "sharded_rdt":  # vLLM runs the weight-transfer backend it was built with
+            arguments.setdefault("weight_transfer", "sharded_rdt")
         return VLLMEngine, {"bucket_bytes": config.sync.bucket_bytes, **arguments}
     from rlmega.rollout.sglang_engine import SGLangEngine
 

@@ -34,6 +34,7 @@ class RankProcess:
         redirect_output()  # library warnings and progress bars go to this rank's log, not the console
         self.rank, self.world_size = rank, world_size
         self.workers: dict = {}
+        self._sharded = None  # vLLM's sharded_rdt transfer (sync.transport), made at the first sync
 
     def address(self) -> tuple[str, int, str, str]:
         """This node's IP, the rendezvous port (rank 0: its process-group store's, bound here; 0 on the
@@ -148,11 +149,23 @@ class RankProcess:
     def push_weights(self, engines: list, version: int, sync: SyncConfig):
         from rlmega.sync import push_weights
 
+        if sync.transport == "sharded_rdt":
+            return self._rank0(self._sharded_sync(engines, sync).push(version, check_version=False))
         stats = push_weights(self.workers["actor"].chunks, self.spec, engines if self.rank == 0 else None, version,
                              engine_rank=0, bucket_bytes=sync.bucket_bytes, transport=sync.transport,
                              timeout_s=sync.timeout_s,
                              check_version=False)  # the trainer asks every engine right after (Trainer.sync)
         return self._rank0(stats)
+
+    def _sharded_sync(self, engines: list, sync: SyncConfig):
+        """vLLM's sharded_rdt transfer into the run's engines, set up at the first sync (a collective: the
+        producers start, the engines get the plan) and kept for the rest of the run."""
+        if self._sharded is None:
+            from rlmega.rollout.vllm_sharded import ShardedSync
+
+            self._sharded = ShardedSync(self.workers["actor"].chunks, self.spec, engines if self.rank == 0 else None,
+                                        timeout_s=sync.timeout_s)
+        return self._sharded
 
     def post_sync_check(self, engines: list, prompts: list[list[int]], version: int, atol: float) -> Optional[float]:
         from rlmega.sync import post_sync_check

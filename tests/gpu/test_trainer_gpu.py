@@ -6,6 +6,8 @@ float32 checkpoint), so the post-sync check runs at its bf16 tolerance after eve
   rank's (rlmega/trainer/engine_devices.py); training offloads while it generates, and it sleeps while
   training runs.
 - disaggregated: the engine on a GPU of its own, the weights over NCCL (needs two GPUs).
+- vLLM's sharded_rdt transfer (``sync.transport=sharded_rdt``), colocated: the engine's workers pull the
+  weights from the training rank's producer (needs Ray >= 2.56 with NIXL).
 
 Each step must log a post-sync difference within the tolerance and finite mismatch metrics, and
 placement.json must show the engine on the GPUs the placement promises. The CPU contract twin,
@@ -49,15 +51,30 @@ def run_overrides(backend: str, placement: str, run_dir: Path) -> list[str]:
             *(f"+rollout.engine_kwargs.{key}={value}" for key, value in ENGINE_KWARGS[backend].items())]
 
 
+SHARDED_RDT = ["sync.transport=sharded_rdt"]  # vLLM's own transfer: the engine's workers pull their slices
+
+
 @pytest.mark.parametrize("placement", sorted(PLACEMENTS))
 @pytest.mark.parametrize("backend", sorted(ENGINE_KWARGS))
 def test_three_grpo_steps_on_gpu(tmp_path, backend, placement):
     pytest.importorskip(backend)
+    _three_steps(tmp_path, backend, placement)
+
+
+def test_three_grpo_steps_with_vllm_sharded_rdt(tmp_path):
+    """The same run, colocated, with the weights through vLLM's sharded_rdt backend (ShardedSync): the post-sync
+    check after every step shows the pulled weights are the trained ones. Needs Ray >= 2.56 with NIXL."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("nixl", reason="vLLM's sharded_rdt pulls over Ray's NIXL tensor transport")
+    _three_steps(tmp_path, "vllm", "colocated", *SHARDED_RDT)
+
+
+def _three_steps(tmp_path, backend: str, placement: str, *more: str) -> None:
     gpus = torch.cuda.device_count()
     if gpus < (2 if placement == "disaggregated" else 1):
         pytest.skip(f"{placement} needs {2 if placement == 'disaggregated' else 1} GPUs, this machine has {gpus}")
     command = [sys.executable, "-m", "rlmega.cli.main", "train", "--config", "tiny_cpu", "tiny_assets=true",
-               *run_overrides(backend, placement, tmp_path / "run")]
+               *run_overrides(backend, placement, tmp_path / "run"), *more]
     result = subprocess.run(command, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -66,3 +66,20 @@ def test_a_vllm_engine_over_several_gpus_runs_its_own_processes(gpu_run_config, 
     assert arguments.get("distributed_executor_backend") == backend
     with one_thread():
         engine_class(config.model.path, **arguments)  # the fake checks the argument against vLLM's EngineArgs
+
+
+def test_the_sharded_rdt_transport_builds_vllm_engines_for_it(gpu_run_config):
+    """sync.transport=sharded_rdt (tests/gpu/test_trainer_gpu.py's sharded run): the engines are built with vLLM's
+    sharded_rdt backend, which the fake's WeightTransferConfig accepts; only vLLM has it."""
+    from gpu.test_trainer_gpu import SHARDED_RDT
+
+    from rlmega.config import ConfigError
+
+    config = gpu_run_config("vllm", "colocated", *SHARDED_RDT)
+    engine_class, arguments = _engine(config)
+    assert arguments["weight_transfer"] == "sharded_rdt"
+    with one_thread():
+        engine = engine_class(config.model.path, **arguments)
+    assert engine.llm.calls[0][2]["weight_transfer_config"] == {"backend": "sharded_rdt"}
+    with pytest.raises(ConfigError, match="sharded_rdt is vLLM's own weight transfer, but rollout.backend is 'sglang'"):
+        gpu_run_config("sglang", "colocated", *SHARDED_RDT)

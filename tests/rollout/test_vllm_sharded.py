@@ -4,12 +4,14 @@ trainer side's rules (group-contiguous metadata, the default group's rank, owned
 client called by the sender only, in order) with one producer folder per rank, and fakes/fake_vllm.py the
 engine's init / start / update / finish, whose update pulls every tensor from an owner's producer.
 
-On two ranks (TP2, two engines; PP2, one engine), two syncs: after the first each engine holds the trainer's
+On two ranks (TP2, two engines; PP2, one engine, through the training ranks' ``sync.transport=sharded_rdt``
+glue), two syncs: after the first each engine holds the trainer's
 checkpoint bit for bit, after the second the trained (shifted) weights, and serves version 2.
 """
 
 import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from rlmega.bridge import load_hf_weights
 from rlmega.models import build_chunks, model_spec_from_hf
 from rlmega.parallel.layout import ParallelLayout, destroy, initialize
 from rlmega.parallel.spawn import run_on_ranks
+from rlmega.config.schema import SyncConfig
 from rlmega.sync.errors import TransportError
 
 from .fakes import fake_vllm_weight_transfer, one_thread
@@ -32,11 +35,12 @@ def _engine_state(engine) -> dict:
     return {name: tensor.clone() for name, tensor in engine.llm.worker.model_runner.model.model.state_dict().items()}
 
 
-def _sync_on_rank(rank, world_size, layout, hf_dir, other_dir, folder, replicas):
+def _sync_on_rank(rank, world_size, layout, hf_dir, other_dir, folder, replicas, through_trainer):
     os.environ["RLMEGA_FAKE_RDT_DIR"] = folder
     sys.modules.update(fake_vllm_weight_transfer.modules())
     from rlmega.rollout.vllm_engine import VLLMEngine
     from rlmega.rollout.vllm_sharded import ShardedSync
+    from rlmega.trainer.training_group import RankProcess
 
     initialize(layout)
     spec = model_spec_from_hf(hf_dir)
@@ -47,15 +51,25 @@ def _sync_on_rank(rank, world_size, layout, hf_dir, other_dir, folder, replicas)
         with one_thread():
             engines = [VLLMEngine(other_dir, weight_transfer="sharded_rdt", gpu_memory_utilization=0.5)
                        for _ in range(replicas)]
-    sync = ShardedSync(chunks, spec, engines, timeout_s=120)
-    result = {"first": sync.push(1)}
+    if through_trainer:  # the training ranks' glue (sync.transport=sharded_rdt) on a bare rank process
+        process = RankProcess.__new__(RankProcess)
+        process.rank, process.spec, process._sharded = rank, spec, None
+        process.workers = {"actor": types.SimpleNamespace(chunks=chunks)}
+        config = SyncConfig(transport="sharded_rdt", timeout_s=120)
+        push = lambda version: process.push_weights(engines, version, config)  # rank 0's stats, None elsewhere
+    else:
+        sync = ShardedSync(chunks, spec, engines, timeout_s=120)
+        push = sync.push
+    result = {"first": push(1)}
     if engines:
         result["after_first"] = [_engine_state(engine) for engine in engines]
     with torch.no_grad():
         for chunk in chunks:
             for param in chunk.parameters():
                 param.add_(0.5)
-    result["second"] = sync.push(2)
+    result["second"] = push(2)
+    sync = process._sharded if through_trainer else sync  # made at the first push, kept for the second
+    result["served"] = sync.bytes
     if engines:
         result["after_second"] = [_engine_state(engine) for engine in engines]
         result["versions"] = [engine.weight_version() for engine in engines]
@@ -65,12 +79,12 @@ def _sync_on_rank(rank, world_size, layout, hf_dir, other_dir, folder, replicas)
     return result
 
 
-@pytest.mark.parametrize("layout_name, replicas", [("tp2", 2), ("pp2", 1)])
-def test_two_syncs_bring_the_trained_weights_into_every_engine(layout_name, replicas, llama_dir, llama_other_dir,
-                                                               tmp_path):
+@pytest.mark.parametrize("layout_name, replicas, through_trainer", [("tp2", 2, False), ("pp2", 1, True)])
+def test_two_syncs_bring_the_trained_weights_into_every_engine(layout_name, replicas, through_trainer, llama_dir,
+                                                               llama_other_dir, tmp_path):
     layout = ParallelLayout(tp=2, world_size=2) if layout_name == "tp2" else ParallelLayout(pp=2, world_size=2)
-    results = run_on_ranks(_sync_on_rank, 2, timeout_s=TIMEOUT_S,
-                           args=(layout, str(llama_dir), str(llama_other_dir), str(tmp_path), replicas))
+    results = run_on_ranks(_sync_on_rank, 2, timeout_s=TIMEOUT_S, args=(
+        layout, str(llama_dir), str(llama_other_dir), str(tmp_path), replicas, through_trainer))
     saved = load_file(Path(llama_dir) / "model.safetensors")
     head = results[0]
     for state in head["after_first"]:
@@ -81,10 +95,13 @@ def test_two_syncs_bring_the_trained_weights_into_every_engine(layout_name, repl
     assert head["versions"] == [2] * replicas
 
     model_bytes = sum(tensor.nbytes for tensor in saved.values())
-    served = [result["second"].bytes for result in results]
+    served = [result["served"] for result in results]
     # TP2: both ranks own (and serve) every tensor; PP2: each stage its own, together the model once.
     assert served == [model_bytes] * 2 if layout_name == "tp2" else sum(served) == model_bytes
-    assert [result["second"].transport for result in results] == ["sharded_rdt", None]
+    assert head["second"].transport == "sharded_rdt" and head["second"].version == 2
+    assert head["second"].bytes == served[0]
+    if not through_trainer:
+        assert results[1]["second"].transport is None and results[1]["second"].bytes == served[1]
 
     for index, calls in enumerate(head["calls"]):
         names = [call[0] for call in calls]
@@ -155,6 +172,7 @@ def test_the_client_fans_out_and_names_a_failing_engine():
 
 def test_the_engines_belong_on_the_sender_only(vllm):
     from rlmega.rollout.vllm_sharded import ShardedSync
+    from rlmega.trainer.training_group import RankProcess
 
     with pytest.raises(ValueError, match="engines on trainer rank 0 .*rank 0 got None"):
         ShardedSync([], None, None)
