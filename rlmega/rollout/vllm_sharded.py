@@ -149,4 +149,3 @@ class ShardedSync:
     def close(self) -> None:
         """Stop this rank's producer (vLLM's ``shutdown``)."""
         self.sender.shutdown()
-
