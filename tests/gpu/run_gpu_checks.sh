@@ -4,7 +4,7 @@
 #   --tier minimal  one CUDA GPU, no network: the Python that is there (torch, transformers, megatron-core,
 #                   pytest; no Ray, vLLM, SGLang or transformer-engine). Megatron workers on CUDA in bf16,
 #                   the bridge's export of CUDA tensors, the hf engine on CUDA, an in-process sync and the
-#                   post-sync check. Installs nothing (but --wheels); about 5 minutes, each check bounded by
+#                   post-sync check. Installs nothing (but --wheels); about 6 minutes, each check bounded by
 #                   --check-timeout. On a machine with no package index, bring megatron-core's wheel
 #                   (tests/gpu/fetch_wheels.sh) and pass its folder with --wheels.
 #   --tier cluster  a node with the GPU extras' wheels reachable: one virtual environment per extra (vLLM
