@@ -126,7 +126,10 @@ def convert_latest_checkpoint(scratch, run_dir):
 
 
 def test_sigterm_checkpoints_requeues_and_finishes(scratch, driver, submit):
-    total_steps = 6 if driver.name == "stub" else 5
+    # The preemption must land before the run ends on its own: the stub's steps take 3 s each; the real tiny
+    # steps take well under a second, so the real run gets enough of them that the signal's trip through
+    # slurmd and the batch script (about a second) cannot outlast it (5 steps once did, on an idle machine).
+    total_steps = 6 if driver.name == "stub" else 40
     job_id = submit(*driver.overrides(total_steps=total_steps, slow=True))
     run_dir = scratch / "run"
     # Preempt once the first step is done, as SLURM's --signal=B:TERM@... would before the limit.
