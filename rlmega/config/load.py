@@ -131,6 +131,8 @@ def validate(config: RLConfig) -> None:
         raise ConfigError(f"actor.{error}") from error
     _require(config.sync.transport == "auto" or config.sync.transport in _transports(), "sync.transport",
              f"{config.sync.transport!r} is not one of auto, {', '.join(sorted(_transports()))}")
+    from rlmega.sync.transports import SHARDED_RDT
+
     _require(config.sync.transport != SHARDED_RDT or config.rollout.backend == "vllm", "sync.transport",
              f"{SHARDED_RDT} is vLLM's own weight transfer, but rollout.backend is {config.rollout.backend!r}: "
              "set rollout.backend=vllm, or choose another transport")
@@ -422,11 +424,8 @@ def _check_choices(node, prefix: str) -> None:
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "grpo_passk", "gpg", "rloo", "reinforce_plus_plus_baseline")
 
 
-SHARDED_RDT = "sharded_rdt"  # rlmega.rollout.vllm_sharded.BACKEND, named here without importing the engine
-
-
 def _transports() -> tuple[str, ...]:
-    from rlmega.sync.transports import TRANSPORTS
+    from rlmega.sync.transports import SHARDED_RDT, TRANSPORTS
 
     return (*TRANSPORTS, SHARDED_RDT)
 

@@ -375,9 +375,7 @@ class VLLMEngine(EngineAdapter):
         """Open vLLM's update as ``version``: from here until ``native_transfer_finish`` the weights are mixed."""
         self._require_native()
         self._book.begin(version)
-        self._wake_weights()
-        self._book.sending()
-        _start_update(self.llm)
+        self._start_sending()  # as for any update: weights woken, the version marked torn, vLLM's update opened
 
     @serialised
     def native_transfer_update(self, update_info: dict) -> None:
@@ -387,9 +385,5 @@ class VLLMEngine(EngineAdapter):
     @serialised
     def native_transfer_finish(self) -> None:
         """Close the update: every weight was pulled, so the version commits (also after a level-2 sleep)."""
-        version = self._book.pending
-        _finish_update(self.llm, version)
         self._book.sent(self._book.names)
-        self._book.commit()
-        if "kv_cache" not in self._asleep_tags:
-            _drop_prefix_cache(self.llm)
+        self.commit_update()

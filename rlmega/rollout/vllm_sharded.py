@@ -32,10 +32,8 @@ from rlmega.bridge.pieces import piece_layout
 from rlmega.models.spec import ModelSpec
 from rlmega.rollout.vllm_weight_source import megatron_weight_source
 from rlmega.sync.errors import TransportError
-from rlmega.sync.transports import DEFAULT_TIMEOUT_S, in_thread
+from rlmega.sync.transports import DEFAULT_TIMEOUT_S, SHARDED_RDT, in_thread
 from rlmega.sync.weight_sync import SyncStats, require_version
-
-BACKEND = "sharded_rdt"
 
 
 def _call(engine, method: str, *args) -> Future:
@@ -125,9 +123,9 @@ class ShardedSync:
         if dist.is_initialized():
             dist.broadcast_object_list(fleet, src=0)  # the init info must agree on every rank
         workers, count = fleet
-        layout = piece_layout(chunks, spec)
-        self.tensors = sum(self.rank in piece.owners for piece in layout)
-        self.bytes = sum(piece.dtype.itemsize * math.prod(piece.shape) for piece in layout if self.rank in piece.owners)
+        owned = [piece for piece in piece_layout(chunks, spec) if self.rank in piece.owners]
+        self.tensors = len(owned)
+        self.bytes = sum(piece.dtype.itemsize * math.prod(piece.shape) for piece in owned)
         """Bytes this rank serves per sync: its owned tensors, whole (the engines' workers pull slices of them)."""
         info = ShardedRDTTrainerInitInfo(workers * count, workers_per_replica=workers if count > 1 else 0,
                                          stall_timeout_s=float(timeout_s), rank=self.rank, **settings)
@@ -144,7 +142,7 @@ class ShardedSync:
             for engine in self.engines:
                 require_version(engine, version)
         return SyncStats(version=version, tensors=self.tensors, bytes=self.bytes,
-                         seconds=time.perf_counter() - started, transport=BACKEND if self.engines else None)
+                         seconds=time.perf_counter() - started, transport=SHARDED_RDT if self.engines else None)
 
     def close(self) -> None:
         """Stop this rank's producer (vLLM's ``shutdown``)."""

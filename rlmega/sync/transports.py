@@ -214,6 +214,10 @@ def _broadcast(*, bucket_bytes: int, timeout_s: float) -> Transport:
     return BroadcastTransport(bucket_bytes=bucket_bytes, timeout_s=timeout_s)
 
 
+# vLLM's own weight transfer (rlmega.rollout.vllm_sharded), a sync.transport that is not a Transport: the
+# training ranks drive it, each engine worker pulling its slices.
+SHARDED_RDT = "sharded_rdt"
+
 # name -> factory(bucket_bytes=, timeout_s=), with each transport's defaults for everything else.
 TRANSPORTS: dict[str, Callable[..., Transport]] = {
     "in_process": _hand_off("in_process"),

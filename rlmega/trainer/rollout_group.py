@@ -152,14 +152,15 @@ def _engine(config: RLConfig) -> tuple[type, dict]:
         return HFEngine, arguments
     if rollout.backend == "vllm":
         from rlmega.rollout.vllm_engine import VLLMEngine
+        from rlmega.sync.transports import SHARDED_RDT
 
         if rollout.gpus_of_one_engine > 1:
             # vLLM 0.33 picks its Ray executor for tp x dp > 1 inside a placement group (vllm/config/parallel.py),
             # whose workers would wait for GPUs this actor, or colocated the training ranks, already hold; its
             # multiprocessing executor starts them on the GPUs this actor sees.
             arguments.setdefault("distributed_executor_backend", "mp")
-        if config.sync.transport == "sharded_rdt":  # vLLM runs the weight-transfer backend it was built with
-            arguments.setdefault("weight_transfer", "sharded_rdt")
+        if config.sync.transport == SHARDED_RDT:  # vLLM runs the weight-transfer backend it was built with
+            arguments.setdefault("weight_transfer", SHARDED_RDT)
         return VLLMEngine, {"bucket_bytes": config.sync.bucket_bytes, **arguments}
     from rlmega.rollout.sglang_engine import SGLangEngine
 

@@ -148,8 +148,9 @@ class RankProcess:
 
     def push_weights(self, engines: list, version: int, sync: SyncConfig):
         from rlmega.sync import push_weights
+        from rlmega.sync.transports import SHARDED_RDT
 
-        if sync.transport == "sharded_rdt":
+        if sync.transport == SHARDED_RDT:
             return self._rank0(self._sharded_sync(engines, sync).push(version, check_version=False))
         stats = push_weights(self.workers["actor"].chunks, self.spec, engines if self.rank == 0 else None, version,
                              engine_rank=0, bucket_bytes=sync.bucket_bytes, transport=sync.transport,
