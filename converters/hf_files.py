@@ -45,10 +45,11 @@ def config_dtype(config: dict) -> torch.dtype:
     return DTYPES[name]
 
 
-def expected_tensors(hf_base: Path, config: dict) -> dict[str, tuple[int, ...]]:
+def expected_tensors(hf_base: Path, config: dict, *, with_tied_head: bool = False) -> dict[str, tuple[int, ...]]:
     """{name: shape} of the safetensors that transformers' ``save_pretrained`` writes for the model
     ``config.json`` describes: the model is instantiated on the meta device (no memory), and
-    transformers' own save-time conversion gives the on-disk names (per-expert MoE keys)."""
+    transformers' own save-time conversion gives the on-disk names (per-expert MoE keys).
+    ``with_tied_head``: keep the LM head of a config that ties it, for a source that stored it anyway."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.utils import logging as hf_logging
@@ -73,7 +74,7 @@ def expected_tensors(hf_base: Path, config: dict) -> dict[str, tuple[int, ...]]:
     finally:
         hf_logging.set_verbosity(verbosity)
     shapes = {name: tuple(tensor.shape) for name, tensor in state.items()}
-    if config.get("tie_word_embeddings"):
+    if config.get("tie_word_embeddings") and not with_tied_head:
         shapes.pop("lm_head.weight", None)
     return shapes
 

@@ -24,7 +24,7 @@ import torch
 
 from converters.errors import ConversionError
 from converters.hf_files import config_dtype, read_base
-from converters.megatron_checkpoint import TRACKER_FILE
+from converters.megatron_checkpoint import STORES_TIED_HEAD, TRACKER_FILE
 from converters.output import atomic_directory, check_disk_space, check_output, directory_bytes
 
 DEFAULT_TIMEOUT_S = 3600.0
@@ -53,30 +53,29 @@ def layout_for(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1,
                           first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
 
 
-def _save_rank(rank: int, world_size: int, layout, hf_dir: str, directory: str, dtype: torch.dtype) -> None:
+def _save_rank(rank: int, world_size: int, layout, hf_dir: str, directory: str, dtype: torch.dtype,
+               content_metadata: dict) -> None:
     from megatron.core import dist_checkpointing
 
     from rlmega.bridge import load_hf_weights
-    from rlmega.models import build_chunks, model_spec_from_hf
+    from rlmega.models import build_chunks, model_spec_from_hf, sharded_model_state
     from rlmega.parallel.layout import destroy, initialize
 
     initialize(layout)
     spec = model_spec_from_hf(hf_dir, weights_only=True)  # as read_base: no forward pass here
     chunks = build_chunks(spec, layout, spec.transformer_config(layout, params_dtype=dtype))
     load_hf_weights(chunks, spec, hf_dir)
-    # Megatron's training checkpoints: "model", or "model0", "model1"... per virtual stage.
-    if len(chunks) == 1:
-        state = {"model": chunks[0].sharded_state_dict()}
-    else:
-        state = {f"model{index}": chunk.sharded_state_dict() for index, chunk in enumerate(chunks)}
-    dist_checkpointing.save(state, directory)
+    # as a training job's checkpoint holds it; content_metadata: what mcore-to-hf must know of the source
+    dist_checkpointing.save(sharded_model_state(chunks), directory, content_metadata=content_metadata)
     destroy()
 
 
-def _hf_bytes(hf_dir: Path, dtype: torch.dtype, spec, tp: int) -> int:
-    """What the checkpoint will hold: every HF tensor in ``dtype``, plus the vocabulary padding."""
+def _inspect_hf(hf_dir: Path, dtype: torch.dtype, spec, tp: int) -> tuple[int, bool]:
+    """(bytes the checkpoint will hold: every HF tensor in ``dtype``, plus the vocabulary padding;
+    whether the source stores an LM head equal to the embedding it ties the head to)."""
     from rlmega.bridge import CheckpointError, HFCheckpoint
     from rlmega.bridge.load import check_tied_head
+    from rlmega.bridge.mapping import RuleBook
     from rlmega.models import padded_vocab_size
 
     try:
@@ -92,14 +91,16 @@ def _hf_bytes(hf_dir: Path, dtype: torch.dtype, spec, tp: int) -> int:
         numel = sum(math.prod(checkpoint.shape(key)) for key in checkpoint.keys())
     except Exception as error:  # safetensors reports a damaged header as a plain error
         raise ConversionError(f"{hf_dir} has a damaged safetensors file ({error}); copy it again") from None
+    stores_tied_head = False
     if spec.tie_word_embeddings:
+        embedding = RuleBook(spec.architecture).resolve("embedding.word_embeddings.weight")[1][0]
         try:
-            check_tied_head(checkpoint)
+            stores_tied_head = check_tied_head(checkpoint, embedding)
         except CheckpointError as error:
             raise ConversionError(str(error)) from None
     hidden = spec.config["hidden_size"]
     padding = (padded_vocab_size(spec.vocab_size, tp) - spec.vocab_size) * hidden * (1 if spec.tie_word_embeddings else 2)
-    return (numel + padding) * dtype.itemsize
+    return (numel + padding) * dtype.itemsize, stores_tied_head
 
 
 def _watch(directory: Path, total: int, quiet: bool, stop: threading.Event) -> None:
@@ -133,7 +134,7 @@ def convert(hf_dir: str | Path, output: str | Path, layout, *, dtype: Optional[t
         spec.check_layout(layout)
     except LayoutError as error:
         raise ConversionError(str(error)) from None
-    total = _hf_bytes(hf_dir, dtype, spec, layout.tp)
+    total, stores_tied_head = _inspect_hf(hf_dir, dtype, spec, layout.tp)
     check_disk_space(output, total)
 
     with atomic_directory(output, overwrite) as partial:
@@ -145,7 +146,7 @@ def convert(hf_dir: str | Path, output: str | Path, layout, *, dtype: Optional[t
         try:
             # cpu_only: the ranks run over gloo on the CPU, also on a GPU node, so a conversion needs no free GPUs
             run_on_ranks(_save_rank, layout.world_size, timeout_s=timeout_s, quiet=True, cpu_only=True,
-                         args=(layout, str(hf_dir), str(target), dtype))
+                         args=(layout, str(hf_dir), str(target), dtype, {STORES_TIED_HEAD: stores_tied_head}))
         except RankFailure as failure:
             raise ConversionError(failure.cause) from failure
         finally:

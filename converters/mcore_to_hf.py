@@ -21,7 +21,7 @@ import torch
 
 from converters.errors import ConversionError
 from converters.hf_files import TOKENIZER_FILES, expected_tensors, read_base, write_model_files
-from converters.megatron_checkpoint import MegatronCheckpoint, StoredParam
+from converters.megatron_checkpoint import STORES_TIED_HEAD, MegatronCheckpoint, StoredParam
 from converters.output import atomic_directory, check_disk_space, check_output
 from converters.safetensors_writer import Entry, ShardedSafetensorsWriter
 
@@ -77,6 +77,11 @@ def plan(checkpoint: MegatronCheckpoint, spec, config: dict, hf_base: Path) -> l
     if spec.tie_word_embeddings:  # the embedding is the LM head; HF stores it once
         params = [param for param in params if param.canonical != _OUTPUT_LAYER]
     params += _mtp_copies(params)
+    # A source that stored the head as well (hf-to-mcore records it) gets it back as a copy of the embedding,
+    # so a round trip has exactly the source's keys.
+    tied_head = spec.tie_word_embeddings and checkpoint.content_metadata().get(STORES_TIED_HEAD, False)
+    if tied_head:
+        params += [StoredParam(_OUTPUT_LAYER, param.parts) for param in params if param.canonical == _EMBEDDING]
     book, geometry = RuleBook(spec.architecture), geometry_of(spec)
     units = []
     for param in params:
@@ -90,7 +95,7 @@ def plan(checkpoint: MegatronCheckpoint, spec, config: dict, hf_base: Path) -> l
         shapes = hf_shapes(rule, torch.Size(param.shape), geometry)
         units.append(Unit(param, rule, tuple(zip(names, shapes))))
     units.sort(key=lambda unit: _natural(unit.hf[0][0]))
-    _check_against_base(units, spec, expected_tensors(hf_base, config), hf_base)
+    _check_against_base(units, spec, expected_tensors(hf_base, config, with_tied_head=tied_head), hf_base)
     return units
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import pickle
 import re
 import warnings
 from pathlib import Path
@@ -41,6 +42,10 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 # Optimizer state: "optimizer.…", or "chained_{i}.optimizer.…" when dense and expert parameters
 # have separate optimizers (MoE).
 _OPTIMIZER_KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.")
+STORES_TIED_HEAD = "rlmega.hf_stores_tied_lm_head"
+"""``content_metadata`` key that hf-to-mcore sets when its source, though it ties the LM head to the
+embedding, also stored ``lm_head.weight`` (equal to the embedding; many Qwen / Llama checkpoints do):
+mcore-to-hf then writes the head back, so a round trip gives exactly the source's keys."""
 
 _STACK = re.compile(r"^(?P<stack>decoder|mtp)\.layers\.(?:(?P<layer>\d+)\.)?(?P<rest>.+)$")
 _EXPERTS = re.compile(r"^(?P<head>(?:.+\.)?mlp\.experts\.)experts\.(?:(?P<expert>\d+)\.)?(?P<tail>.+)$")
@@ -255,6 +260,22 @@ class MegatronCheckpoint:
                     "the checkpoint is incomplete, re-save it"
                 )
         return params
+
+    def content_metadata(self) -> dict:
+        """What ``dist_checkpointing.save(..., content_metadata=...)`` recorded in ``common.pt``; {} if none."""
+        from megatron.core.dist_checkpointing import load_content_metadata
+        from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
+
+        path = self.directory / COMMON_STATE_FNAME
+        if not path.is_file():
+            return {}
+        try:
+            common = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            # Objects that weights_only loading refuses (Megatron-LM pickles its argparse Namespace here):
+            # not a common.pt that hf-to-mcore wrote, so it records nothing read from it.
+            return {}
+        return load_content_metadata(preloaded_state_dict=common) or {}
 
     def check_files(self, keys: set[str]) -> None:
         """Raise ConversionError if a shard file holding any of ``keys`` is missing or too short."""

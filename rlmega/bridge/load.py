@@ -69,14 +69,15 @@ def check_checkpoint(checkpoint: HFCheckpoint, needed: dict[str, tuple], tied: b
             )
 
 
-def check_tied_head(checkpoint: HFCheckpoint, embedding: str = "model.embed_tokens.weight") -> None:
+def check_tied_head(checkpoint: HFCheckpoint, embedding: str = "model.embed_tokens.weight") -> bool:
     """A config that ties the LM head to the embedding may still come with a stored copy of the
-    head; one that differs from the embedding would be dropped without a word, so refuse it."""
+    head; one that differs from the embedding would be dropped without a word, so refuse it.
+    True when the checkpoint stores a head equal to the embedding."""
     if _LM_HEAD not in checkpoint.keys() or embedding not in checkpoint.keys():
-        return
+        return False
     if checkpoint.shape(_LM_HEAD) == checkpoint.shape(embedding) and torch.equal(
             checkpoint.read(_LM_HEAD), checkpoint.read(embedding)):
-        return
+        return True
     raise CheckpointError(
         f"checkpoint {checkpoint.directory} holds its own {_LM_HEAD!r}, different from {embedding!r}, but its "
         "config.json sets tie_word_embeddings: true, so the head would be dropped; set \"tie_word_embeddings\": false "

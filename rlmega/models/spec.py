@@ -211,6 +211,21 @@ def build_chunks(spec: ModelSpec, layout: ParallelLayout, config=None) -> list:
     return chunks
 
 
+def sharded_model_state(chunks: list) -> dict:
+    """The model part of a Megatron training checkpoint: ``model``, or ``model0``, ``model1``... per virtual
+    stage, each chunk's ``sharded_state_dict`` (chunks without their DDP wrapper)."""
+    from megatron.core import parallel_state
+
+    # GPTModel.sharded_state_dict reads metadata["dp_cp_group"] itself on a stage with MTP but no embedding (pp > 1),
+    # to tie that stage's copy of the embedding. megatron-core 0.16's guard fills the group in only for the callees (a
+    # None becomes a new dict there), so without metadata that read fails on None. Megatron-LM's checkpoints pass the
+    # key; the group is the guard's own default, so every other model's checkpoint is unchanged.
+    metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict(metadata=metadata)}
+    return {f"model{index}": chunk.sharded_state_dict(metadata=metadata) for index, chunk in enumerate(chunks)}
+
+
 def on_training_device(model: torch.nn.Module, config) -> torch.nn.Module:
     """``model`` whole on the current GPU unless ``config`` initialises on the CPU. Megatron allocates its
     parallel layers on the GPU but builds the modules it takes from torch (the norms, where neither

@@ -3,6 +3,7 @@ the written checkpoint at another layout (TP=2×EP=2) to the same weights."""
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -63,7 +64,13 @@ def test_hf_to_mcore_to_hf_is_bit_identical_and_loads_at_another_layout(hf_model
         assert torch.equal(loaded[name], tensor), name
 
 
-def test_deepseek_v3_with_mtp_round_trip(tmp_path):
+@pytest.mark.parametrize("layout", [
+    ["--ep", "2"],
+    ["--pp", "2", "--ep", "2"],  # MTP on the last stage, away from the embedding it shares
+    ["--pp", "2", "--first-stage-layers", "1"],  # uneven: the last stage holds 3 layers and MTP
+    ["--tp", "2", "--pp", "2", "--last-stage-layers", "1"],  # uneven, MTP's weights split over tp
+], ids=lambda layout: "-".join(arg.strip("-").replace("-stage-layers", "") for arg in layout))
+def test_deepseek_v3_with_mtp_round_trip(tmp_path, layout):
     """Dense and MoE layers mixed (Megatron then stores one key per layer), MLA, shared experts,
     the router's score bias and an MTP layer whose embedding / LM head copies HF stores."""
     from deepseek_mtp_models import save_tiny_deepseek_mtp
@@ -71,10 +78,11 @@ def test_deepseek_v3_with_mtp_round_trip(tmp_path):
     hf = tmp_path / "hf"
     save_tiny_deepseek_mtp(hf)
     megatron, back = tmp_path / "megatron", tmp_path / "back"
-    assert main(["convert", "hf-to-mcore", str(hf), str(megatron), "--ep", "2", "--quiet"]) == 0
+    assert main(["convert", "hf-to-mcore", str(hf), str(megatron), *layout, "--quiet"]) == 0
     assert main(["convert", "mcore-to-hf", str(megatron), str(back), "--hf-base", str(hf), "--quiet"]) == 0
     original, exported = load_file(hf / "model.safetensors"), read_export(back)
     assert sorted(exported) == sorted(original)
     assert "model.layers.4.shared_head.head.weight" in exported  # the MTP layer's copy of the LM head
     for name, tensor in original.items():
         assert torch.equal(exported[name], tensor), name
+    assert main(["convert", "verify", str(back), str(hf)]) == 0

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from deepseek_mtp_models import save_tiny_deepseek_mtp
 from hf_models import save_tiny_model
 from rlmega.models import model_spec_from_hf
 from rlmega.parallel.layout import ParallelLayout, destroy, initialize
@@ -184,6 +185,55 @@ def test_resume_gives_the_identical_next_step(llama, saved, layout_args):
     assert metrics["actor/lr"] == pytest.approx(expected_metrics["actor/lr"])  # the schedule resumed too
     for name, tensor in weights.items():
         torch.testing.assert_close(tensor, expected_weights[name], atol=1e-5, rtol=0, msg=name)
+
+
+# A model with MTP layers: its last pipeline stage holds the MTP layer and a tied copy of the embedding.
+
+def _mtp_save_body(rank, world_size, layout, hf_dir, root):
+    initialize(layout)
+    worker = MegatronWorker(model_spec_from_hf(hf_dir), layout, _actor_config(), hf_dir=hf_dir)
+    worker.update(_train_batch(worker, 1))  # weights off the HF ones, optimizer state for every parameter
+    worker.save_checkpoint(root)
+    weights = _weights(worker)
+    destroy()
+    return weights
+
+
+def _mtp_load_body(rank, world_size, layout, hf_dir, root, role):
+    initialize(layout)
+    config = _actor_config() if role == "actor" else WorkerConfig(role=role)
+    worker = MegatronWorker(model_spec_from_hf(hf_dir), layout, config)  # random weights until loaded
+    worker.load_checkpoint(root)
+    weights = _weights(worker)
+    destroy()
+    return weights
+
+
+@pytest.fixture(scope="module")
+def mtp_saved(tmp_path_factory):
+    hf_dir, root = tmp_path_factory.mktemp("deepseek-v3-mtp"), tmp_path_factory.mktemp("mtp-checkpoints")
+    save_tiny_deepseek_mtp(hf_dir)
+    layout = ParallelLayout(pp=2, first_stage_layers=1, world_size=2)  # uneven: 1 + 3 layers, MTP on the last stage
+    weights = run_on_ranks(_mtp_save_body, 2, timeout_s=TIMEOUT_S, args=(layout, str(hf_dir), str(root)))[0]
+    return hf_dir, root, weights
+
+
+@pytest.mark.parametrize("layout_args, role", [
+    (dict(tp=2, pp=2, world_size=4), "actor"),  # even stages, the MTP layer split over tp
+    (dict(world_size=1), "actor"),  # MTP on the one stage, beside the embedding
+    # The model alone: an actor's optimizer state does not load across ep=1 -> 2 (megatron-core chains a
+    # second optimizer for the experts at ep > 1 and prefixes its keys).
+    (dict(ep=2, world_size=2), "ref"),
+], ids=["tp2-pp2", "pp1", "ep2-model"])
+def test_mtp_checkpoint_saved_at_uneven_pp2_loads_bit_exact_in_another_layout(mtp_saved, layout_args, role):
+    hf_dir, root, expected = mtp_saved
+    assert "model.layers.4.eh_proj.weight" in expected  # the MTP layer is in the checkpoint
+    layout = ParallelLayout(**layout_args)
+    weights = run_on_ranks(_mtp_load_body, layout.world_size, timeout_s=TIMEOUT_S,
+                           args=(layout, str(hf_dir), str(root), role))[0]
+    assert sorted(weights) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(weights[name], tensor), name
 
 
 # ---- critic -----------------------------------------------------------------------------------
