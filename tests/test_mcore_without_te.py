@@ -27,10 +27,15 @@ torch.testing.assert_close(logits, inp @ weight.t(), rtol=0, atol=1e-6)
 logits.sum().backward()
 torch.testing.assert_close(inp.grad, weight.sum(0).expand(5, 8), rtol=0, atol=1e-6)
 print(multi_latent_attention.HAVE_TE)
+# The CPU-offloaded optimizer's config: precision-aware without transformer-engine's version to compare.
+from megatron.core.optimizer import OptimizerConfig
+config = OptimizerConfig(optimizer="adam", bf16=True, use_distributed_optimizer=True, optimizer_cpu_offload=True,
+                         use_precision_aware_optimizer=True)
+print(config.use_precision_aware_optimizer_no_fp8_or_ds_fp8, config.store_param_remainders)
 """
 
 
-def test_router_gating_and_mla_work_without_transformer_engine_or_the_cpu_platform():
+def test_router_gating_mla_and_the_offloaded_optimizer_config_work_without_transformer_engine():
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["False"]
+    assert done.stdout.split() == ["False", "True", "False"]

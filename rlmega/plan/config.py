@@ -45,7 +45,7 @@ class PlanConfig:
     engine_workspace_gib: float = 4.0
     """Per engine GPU, inside the engine's memory share but outside weights and KV cache: activations of
     a scheduling step, CUDA graphs, sampler buffers (an assumption; vLLM and SGLang profile their own)."""
-    min_headroom_gib: float = 2.0
+    min_headroom_gib: float = 4.0
     """A rank fits when at least this much of its GPU is left in its fullest phase."""
 
     def preset(self) -> GpuPreset:

@@ -199,11 +199,3 @@ OPTIMIZER_VARIANTS = {
 parameters lack (``store_param_remainders``: 2 + 2 + 2; needs transformer-engine's FusedAdam).
 cpu_offload: ``optimizer_cpu_offload`` with fraction 1, the fp32 master weight, moments and a fp32
 gradient copy in host memory (4 + 4 + 4 + 4) and stepped there."""
-
-
-def optimizer_bytes(owned_elements: int, cpu_offload_fraction: float) -> tuple[float, float]:
-    """(GPU bytes, host bytes) of the configured optimizer's state for ``owned_elements``: Adam, with
-    ``cpu_offload_fraction`` of it in host memory (``OPTIMIZER_VARIANTS``)."""
-    gpu, _ = OPTIMIZER_VARIANTS["adam"]
-    _, host = OPTIMIZER_VARIANTS["cpu_offload"]
-    return owned_elements * gpu * (1 - cpu_offload_fraction), owned_elements * host * cpu_offload_fraction

@@ -267,8 +267,57 @@ def _measure_role(spec, layout, config) -> dict:
     )
 
 
+def worst_owner(role: dict, local_ranks: int, layout) -> tuple[int, int]:
+    """(rank index inside the stage, elements) of the stage's rank with the largest optimizer shard."""
+    best = (0, 0)
+    for index in range(local_ranks):
+        at = StageCoordinates.of(index, layout)
+        owned = sum(buffer["owned_per_dp_rank"][at.data_parallel_index if buffer["kind"] == "dense"
+                                                else at.expert_data_parallel_rank]
+                    for buffer in role["grad_buffers"])
+        best = max(best, (owned, -index))
+    return -best[1], best[0]
+
+
+def _gathers_own_object(output: list, obj, group=None) -> None:
+    """all_gather_object under the fake process group: every rank's object is this rank's (Megatron
+    gathers the optimizer's param-group keys, the same on every rank of a stage)."""
+    output[:] = [obj] * len(output)
+
+
+def _measure_optimizer(spec, layout, config) -> dict:
+    """{"gpu", "host"}: bytes of the optimizer this rank builds (the worker's own ``build_optimizer``)
+    once a step has made its state (Megatron's ``_init_optimizer_states_with_dummy_values``), by where a
+    GPU run keeps them (``rlmega.plan.placement``), the model's parameters and gradients left out."""
+    import torch
+    import torch.distributed as dist
+
+    from rlmega.plan.placement import allocated_bytes, simulated_gpu, storage_key
+    from rlmega.workers.model import build_model, build_optimizer
+
+    built = _build_config(config)
+    with torch.device("meta"), _meta_mode():
+        chunks, _ = build_model(spec, layout, built)
+    model = {storage_key(param) for chunk in chunks for param in torch.nn.Module.parameters(chunk)}
+    for _, buffer in _ddp_buffers(chunks):
+        model |= {storage_key(tensor) for tensor in (buffer.param_data, buffer.grad_data) if tensor is not None}
+    dist.all_gather_object = _gathers_own_object  # this child process only
+    with torch.device("meta"), simulated_gpu(meta=True):
+        optimizer, _ = build_optimizer(chunks, built.optimizer, torch.bfloat16,
+                                       total_steps=built.optimizer.lr_warmup_steps + 2, gloo_groups=False)
+    with simulated_gpu(meta=True):  # outside torch.device("meta"): Adam's step count stays a real CPU scalar
+        for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+            # torch's fused CPU Adam refuses meta tensors; unfused, it allocates the same state.
+            for torch_optimizer in [inner.optimizer] + list(getattr(inner.optimizer, "sub_optimizers", [])):
+                for group in torch_optimizer.param_groups:
+                    group["fused"] = False
+            inner._init_optimizer_states_with_dummy_values()
+    return allocated_bytes(optimizer, model)
+
+
 def measure(request: BuildRequest) -> dict:
-    """{"positions": [{"stages", "first", "last", "layer_kinds", "roles": {role: counts}}]}."""
+    """{"positions": [{"stages", "first", "last", "layer_kinds", "roles": {role: counts}}]}; a trained
+    role's ``optimizer`` is measured on the stage's rank with the largest shard (``optimizer_index``)."""
     from rlmega.parallel import cpu_platform
 
     cpu_platform.enable()
@@ -280,12 +329,24 @@ def measure(request: BuildRequest) -> dict:
     finally:
         _destroy()
     positions = []
+    per_stage = layout.world_size // layout.pp
     for (first, last, layer_kinds), stages in signatures.items():
-        _initialize(stages[0] * (layout.world_size // layout.pp), layout)
-        try:
-            roles = {name: _measure_role(spec, layout, config) for name, config in request.roles.items()}
-        finally:
-            _destroy()
+        roles = {}
+        for name, config in request.roles.items():
+            _initialize(stages[0] * per_stage, layout)
+            try:
+                roles[name] = role = _measure_role(spec, layout, config)
+            finally:
+                _destroy()
+            if role["grad_buffers"]:
+                distributed = config.optimizer.distributed_optimizer is not False  # None: on, as on a GPU
+                role["optimizer_index"], role["owned"] = (worst_owner(role, per_stage, layout) if distributed
+                                                          else (0, role["trainable_numel"]))
+                _initialize(stages[0] * per_stage + role["optimizer_index"], layout)
+                try:
+                    role["optimizer"] = _measure_optimizer(spec, layout, config)
+                finally:
+                    _destroy()
         positions.append(dict(stages=stages, first=first, last=last, layer_kinds=[list(k) for k in layer_kinds],
                               mtp_layers=spec.mtp_num_layers if last else 0, roles=roles))
     return dict(positions=positions)

@@ -16,13 +16,16 @@ optimizer bytes per element. The phases follow the trainer (``rlmega/trainer/con
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 from typing import Optional
 
 from rlmega.errors import UserError
 from rlmega.plan import formulas
-from rlmega.plan.meta_build import BuildRequest, StageCoordinates, measure_in_subprocess
+from rlmega.plan.meta_build import BuildRequest, measure_in_subprocess
 from rlmega.plan.refit import Refit, plan_refit
+from rlmega.sync.engine_bytes import EngineLayout, engine_rank_bytes
 
 GIB = 1024**3
 PHASES = ("generate", "logprobs", "update", "sync")
@@ -110,7 +113,16 @@ class Plan:
     min_headroom: float
     world_size: int
     ranks_per_stage: int
+    pipeline: tuple[int, int]
+    """(pp, vpp)."""
     shortfalls: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def bubble(self) -> float:
+        """The pipeline's idle share of a mini-batch: (pp - 1) / (vpp x m + pp - 1), Megatron's 1F1B
+        schedule and its interleaved form (Narayanan et al. 2021, section 2.2)."""
+        pp, vpp = self.pipeline
+        return (pp - 1) / (vpp * self.microbatches + pp - 1)
 
     def position_of_rank(self, rank: int) -> Position:
         stage = rank // self.ranks_per_stage
@@ -125,6 +137,7 @@ class Plan:
             raw["seconds"] = leg.seconds
         data["refit"].update(seconds_overlapped=self.refit.seconds_overlapped, seconds_serial=self.refit.seconds_serial)
         data["fits"] = not self.shortfalls
+        data["bubble"] = self.bubble
         data["units"] = "bytes, seconds, GB/s (1e9 bytes)"
         return data
 
@@ -138,35 +151,16 @@ def _roles(config) -> dict:
     return roles
 
 
-def _owned_worst(role: dict, local_ranks: int, layout) -> tuple[int, int]:
-    """(rank index inside the stage, elements) of the stage's rank with the largest optimizer shard."""
-    best = (0, 0)
-    for index in range(local_ranks):
-        at = StageCoordinates.of(index, layout)
-        owned = sum(buffer["owned_per_dp_rank"][at.data_parallel_index if buffer["kind"] == "dense"
-                                                else at.expert_data_parallel_rank]
-                    for buffer in role["grad_buffers"])
-        best = max(best, (owned, -index))
-    return -best[1], best[0]
-
-
-def _role_memory(role: dict, config, local_ranks: int, layout) -> tuple[RoleMemory, int]:
+def _role_memory(role: dict) -> tuple[RoleMemory, int]:
     """A role's memory on the stage's rank with the largest optimizer shard, and that rank's index."""
     if not role["grad_buffers"]:  # not trained: parameters only
         return RoleMemory(role["param_bytes"], role["module_buffer_bytes"], 0, 0.0, 0.0, {}, 0, role["param_numel"]), 0
-    if _distributed(config):
-        index, owned = _owned_worst(role, local_ranks, layout)
-    else:
-        index, owned = 0, role["trainable_numel"]  # every data-parallel rank holds the whole state
-    gpu, host = formulas.optimizer_bytes(owned, config.optimizer.cpu_offload_fraction)
+    owned = role["owned"]
     variants = {name: float(owned * (per_gpu or per_host))
                 for name, (per_gpu, per_host) in formulas.OPTIMIZER_VARIANTS.items()}
-    return RoleMemory(role["param_bytes"], role["module_buffer_bytes"], role["grad_bytes"], gpu, host, variants, owned,
-                      role["param_numel"]), index
-
-
-def _distributed(worker_config) -> bool:
-    return worker_config.optimizer.distributed_optimizer is not False  # None: on with NCCL, as on a GPU run
+    return RoleMemory(role["param_bytes"], role["module_buffer_bytes"], role["grad_bytes"],
+                      float(role["optimizer"]["gpu"]), float(role["optimizer"]["host"]), variants, owned,
+                      role["param_numel"]), role["optimizer_index"]
 
 
 def _tokens(config, layout) -> tuple[int, int]:
@@ -182,11 +176,19 @@ def _tokens(config, layout) -> tuple[int, int]:
     return tokens, microbatches
 
 
-def _engine(config, shape, totals: dict, preset) -> Engine:
+def _hf_config(path: str) -> dict:
+    path = Path(path)
+    return json.loads((path / "config.json" if path.is_dir() else path).read_text())
+
+
+def _engine(config, shape, preset) -> Engine:
     rollout = config.rollout
     tp, dp = rollout.tensor_parallel_size, rollout.data_parallel_size
-    experts_over = tp * dp if rollout.expert_parallel_size > 1 else tp
-    weights = totals["dense_split"] / tp + totals["dense_replicated"] + totals["expert"] / experts_over
+    # vLLM's expert parallelism spans the engine's TP x DP ranks; each rank's weights as vLLM lays them out
+    # (MLA's down-projections and the routers whole on every rank).
+    engine_layout = EngineLayout(tensor_parallel_size=tp, data_parallel_size=dp,
+                                 expert_parallel_size=tp * dp if rollout.expert_parallel_size > 1 else 1)
+    weights = engine_rank_bytes(_hf_config(config.model.path), engine_layout).max_sliced
     share = rollout.gpu_memory_utilization * preset.memory_gib * GIB
     workspace = config.plan.engine_workspace_gib * GIB
     kv = share - weights - workspace
@@ -245,7 +247,7 @@ def _position(run: _Run, raw: dict) -> Position:
     per_stage = layout.world_size // layout.pp
     memory, worst = {}, 0
     for name, role in raw["roles"].items():
-        memory[name], index = _role_memory(role, run.roles[name], per_stage, layout)
+        memory[name], index = _role_memory(role)
         worst = index if name == "actor" else worst
     activations = _activations(run, raw)
     trained = sum(m.state for n, m in memory.items() if n != "ref")
@@ -307,7 +309,7 @@ def make_plan(config, config_name: str = "") -> Plan:
     shape = formulas.Shape.of(spec)
     tokens, microbatches = _tokens(config, layout)
     refit = plan_refit(config, layout, measured, preset)
-    engine = _engine(config, shape, refit.totals, preset)
+    engine = _engine(config, shape, preset)
     run = _Run(config=config, roles=roles, layout=layout, shape=shape, tokens=tokens, microbatches=microbatches,
                engine=engine, padded_vocab=padded_vocab_size(spec.vocab_size, layout.tp),
                sequence_parallel=config.actor.uses_sequence_parallel(layout.tp, moe=spec.num_experts is not None,
@@ -324,7 +326,8 @@ def make_plan(config, config_name: str = "") -> Plan:
         placement=config.rollout.placement, positions=positions, engine=engine, refit=refit,
         host_per_node=max(p.host for p in positions) * config.plan.gpus_per_node,
         host_memory=config.plan.host_memory_gib * GIB, min_headroom=config.plan.min_headroom_gib * GIB,
-        world_size=layout.world_size, ranks_per_stage=layout.world_size // layout.pp)
+        world_size=layout.world_size, ranks_per_stage=layout.world_size // layout.pp,
+        pipeline=(layout.pp, layout.virtual_stages))
     plan.shortfalls = _shortfalls(plan, config)
     return plan
 

@@ -32,6 +32,8 @@ def render(plan: Plan) -> str:
         f"layout     {plan.layout}, {plan.nodes} node(s) of {plan.gpu} ({plan.gpu_memory / GIB:.1f} GiB)",
         f"batches    {plan.tokens_per_microbatch} tokens per micro-batch, {plan.microbatches} micro-batch(es) per "
         f"mini-batch per rank, recompute {plan.recompute}",
+        f"pipeline   bubble {plan.bubble:.1%} of a mini-batch's time, (pp - 1) / (vpp x m + pp - 1) with "
+        f"m = {plan.microbatches} micro-batches",
         "",
         "GiB per GPU (each position's rank with the largest optimizer shard; parameters and gradients are",
         "the same on every rank of a stage)",

@@ -25,6 +25,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from rlmega.models.spec import sharded_model_state
+
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "rlmega.json"
 
@@ -71,13 +73,6 @@ def _without_ddp(chunk):
     return chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
 
 
-def _model_state(chunks: list) -> dict:
-    modules = [_without_ddp(chunk) for chunk in chunks]
-    if len(modules) == 1:
-        return {"model": modules[0].sharded_state_dict()}
-    return {f"model{index}": module.sharded_state_dict() for index, module in enumerate(modules)}
-
-
 def _rng_object(is_loading: bool):
     from megatron.core.dist_checkpointing import ShardedObject
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -90,11 +85,23 @@ def _rng_object(is_loading: bool):
     return ShardedObject("rng_state", state, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
 
 
+def _with_optimizer_states(optimizer) -> None:
+    """Megatron's distributed optimizer describes its state for a load from the state it holds, which a
+    fresh one does not have yet (without transformer-engine or apex it asserts on the missing step count):
+    Megatron's own dummy states, which the load then overwrites."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(inner, "_init_optimizer_states_with_dummy_values") and not inner.optimizer.state:
+            inner._init_optimizer_states_with_dummy_values()
+
+
 def _sharded_state(chunks, optimizer, scheduler, *, is_loading: bool, with_rng: bool) -> dict:
-    state = _model_state(chunks)
+    state = sharded_model_state([_without_ddp(chunk) for chunk in chunks])
     if optimizer is not None:
         model_state = state["model"] if len(state) == 1 else dict(state)
-        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading)
+        # Megatron 0.16's default format for the distributed optimizer (fully_sharded_model_space) writes
+        # flattened ranges its own ShardedTensor refuses; fully_reshardable also loads in other layouts.
+        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading,
+                                                          metadata={"distrib_optim_sharding_type": "fully_reshardable"})
         state["scheduler"] = scheduler.state_dict()
     if with_rng:
         state["rng_state"] = _rng_object(is_loading)
@@ -166,8 +173,12 @@ def load_checkpoint(path: str | Path, chunks: list, optimizer=None, scheduler=No
             f"checkpoint {directory} was saved by {metadata['world_size']} ranks, this job has "
             f"{dist.get_world_size()}: model and optimizer are resharded, per-rank RNG states are not restored"
         )
+    if optimizer is not None:
+        _with_optimizer_states(optimizer)
     sharded = _sharded_state(chunks, optimizer, scheduler, is_loading=True, with_rng=same_world)
-    state = dist_checkpointing.load(sharded, str(directory))
+    # The CPU-offloaded optimizer's param groups name the torch optimizer classes it steps with.
+    with torch.serialization.safe_globals([torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD]):
+        state = dist_checkpointing.load(sharded, str(directory))
     model_keys = [key for key in state if key == "model" or (key.startswith("model") and key[5:].isdigit())]
     for chunk, key in zip(chunks, sorted(model_keys, key=lambda key: int(key[5:] or 0))):
         _without_ddp(chunk).load_state_dict(state[key])

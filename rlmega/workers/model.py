@@ -160,8 +160,11 @@ def use_fused_cpu_adam(optimizer) -> int:
     return switched
 
 
-def build_optimizer(chunks: list, config: OptimizerConfig, dtype: torch.dtype, total_steps: int):
-    """Megatron's optimizer (Adam, fp32 master weights for bf16) and its LR / weight-decay schedule."""
+def build_optimizer(chunks: list, config: OptimizerConfig, dtype: torch.dtype, total_steps: int, *,
+                    gloo_groups: bool = True):
+    """Megatron's optimizer (Adam, fp32 master weights for bf16) and its LR / weight-decay schedule.
+    ``gloo_groups=False`` where Megatron's gloo groups do not exist (the planner's fake process group);
+    the distributed optimizer uses them only to save its state."""
     from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -179,8 +182,14 @@ def build_optimizer(chunks: list, config: OptimizerConfig, dtype: torch.dtype, t
             # Megatron's HybridDeviceOptimizer: that share of the state is kept and stepped on the CPU.
             optimizer_cpu_offload=offload, optimizer_offload_fraction=config.cpu_offload_fraction,
             overlap_cpu_optimizer_d2h_h2d=offload,
+            # Without it the distributed optimizer makes fp32 master shards on the GPU, which the hybrid
+            # optimizer copies to the host and never frees (4 bytes per owned element stay on the GPU);
+            # with it the hybrid optimizer makes the fp32 masters from the bf16 shards itself, in host
+            # memory for the offloaded share. Moments stay fp32; no transformer-engine needed when offloading.
+            use_precision_aware_optimizer=offload,
         ),
         chunks,
+        use_gloo_process_groups=gloo_groups,
     )
     use_fused_cpu_adam(optimizer)
     decay_steps = config.lr_decay_steps or total_steps

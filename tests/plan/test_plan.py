@@ -58,6 +58,22 @@ def test_the_671b_plan_counts_exactly_what_each_rank_builds():
     assert plan.refit.bytes_per_sync == 2 * plan.parameters
 
 
+@pytest.mark.parametrize("recipe", [DEEPSEEK, "configs/recipes/qwen3_235b_a22b/grpo.yaml"])
+def test_the_optimizer_bytes_are_those_the_worst_rank_of_each_position_allocates(recipe):
+    """Each position's rank with the largest shard, built on its own with the worker's optimizer and a step:
+    its fp32 masters, Adam moments and gradient copies, by where a GPU run keeps them, are the plan's."""
+    plan = make_plan(load_config(recipe, check=False), recipe)
+    worst = [p.worst_rank for p in plan.positions]
+    assert len(worst) == 3
+    built = count_ranks(recipe, worst, with_optimizer=worst)
+    for position, rank in zip(plan.positions, worst):
+        actor = position.roles["actor"]
+        assert built[rank]["optimizer"] == {"gpu": actor.optimizer_gpu, "host": actor.optimizer_host}, f"rank {rank}"
+        # Offloaded whole (cpu_offload_fraction 1): nothing on the GPU, 16 bytes per owned element in host memory.
+        assert actor.optimizer_gpu == 0 and actor.optimizer_host == 16 * actor.owned_elements
+        assert (actor.params, actor.grads) == (built[rank]["param_bytes"], built[rank]["grad_bytes"])
+
+
 def test_a_layout_that_does_not_fit_is_refused_naming_the_rank_and_the_shortfall(capsys):
     assert main(["plan", DEEPSEEK, "actor.optimizer.cpu_offload_fraction=0"]) == 2
     captured = capsys.readouterr()
