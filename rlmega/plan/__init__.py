@@ -2,6 +2,7 @@
 
 from rlmega.plan.config import GPU_PRESETS, PlanConfig
 from rlmega.plan.planner import Plan, PlanError, check, make_plan
+from rlmega.plan.explain import render_explain
 from rlmega.plan.report import render
 
-__all__ = ["GPU_PRESETS", "Plan", "PlanConfig", "PlanError", "check", "make_plan", "render"]
+__all__ = ["GPU_PRESETS", "Plan", "PlanConfig", "PlanError", "check", "make_plan", "render", "render_explain"]

@@ -66,24 +66,6 @@ def measure_in_subprocess(request: BuildRequest, timeout_s: float = 600.0) -> di
     return result
 
 
-def _meta_mode():
-    """A torch-function mode that puts every tensor a call names a device for on the meta device
-    (Megatron allocates its DDP buffers on ``torch.cuda.current_device()``, which the CPU platform
-    maps to the CPU: this mode, entered inside it, sees the call first)."""
-    from torch.overrides import TorchFunctionMode
-
-    class MetaEverywhere(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = dict(kwargs or {})
-            if kwargs.get("device") is not None and str(kwargs["device"]) != "meta":
-                kwargs["device"] = "meta"
-            if kwargs.get("pin_memory"):
-                kwargs["pin_memory"] = False
-            return func(*args, **kwargs)
-
-    return MetaEverywhere()
-
-
 def _build_config(config):
     """The worker config as a GPU run resolves it (bf16, the distributed optimizer with NCCL), with
     the settings that change no tensor and need CUDA or transformer-engine to build left out
@@ -244,13 +226,20 @@ def _numel(shape) -> int:
     return count
 
 
-def _measure_role(spec, layout, config) -> dict:
+def _build_on_meta(spec, layout, config) -> list:
+    """The rank's model chunks as the worker builds them, every tensor on the meta device (Megatron
+    allocates its DDP buffers on ``torch.cuda.current_device()``: ``simulated_gpu`` sends them there too)."""
     import torch
 
+    from rlmega.plan.placement import simulated_gpu
     from rlmega.workers.model import build_model
 
-    with torch.device("meta"), _meta_mode():
+    with torch.device("meta"), simulated_gpu(meta=True):
         chunks, _ = build_model(spec, layout, _build_config(config))
+    return chunks
+
+
+def _measure_role(chunks, spec, layout) -> dict:
     buffers = _ddp_buffers(chunks)
     param_bytes, numel, trainable = _parameter_bytes(chunks, buffers)
     return dict(
@@ -285,7 +274,7 @@ def _gathers_own_object(output: list, obj, group=None) -> None:
     output[:] = [obj] * len(output)
 
 
-def _measure_optimizer(spec, layout, config) -> dict:
+def _measure_optimizer(chunks, config) -> dict:
     """{"gpu", "host"}: bytes of the optimizer this rank builds (the worker's own ``build_optimizer``)
     once a step has made its state (Megatron's ``_init_optimizer_states_with_dummy_values``), by where a
     GPU run keeps them (``rlmega.plan.placement``), the model's parameters and gradients left out."""
@@ -293,11 +282,9 @@ def _measure_optimizer(spec, layout, config) -> dict:
     import torch.distributed as dist
 
     from rlmega.plan.placement import allocated_bytes, simulated_gpu, storage_key
-    from rlmega.workers.model import build_model, build_optimizer
+    from rlmega.workers.model import build_optimizer
 
     built = _build_config(config)
-    with torch.device("meta"), _meta_mode():
-        chunks, _ = build_model(spec, layout, built)
     model = {storage_key(param) for chunk in chunks for param in torch.nn.Module.parameters(chunk)}
     for _, buffer in _ddp_buffers(chunks):
         model |= {storage_key(tensor) for tensor in (buffer.param_data, buffer.grad_data) if tensor is not None}
@@ -335,16 +322,20 @@ def measure(request: BuildRequest) -> dict:
         for name, config in request.roles.items():
             _initialize(stages[0] * per_stage, layout)
             try:
-                roles[name] = role = _measure_role(spec, layout, config)
+                chunks = _build_on_meta(spec, layout, config)
+                roles[name] = role = _measure_role(chunks, spec, layout)
+                if role["grad_buffers"]:
+                    distributed = config.optimizer.distributed_optimizer is not False  # None: on, as on a GPU
+                    role["optimizer_index"], role["owned"] = (worst_owner(role, per_stage, layout) if distributed
+                                                              else (0, role["trainable_numel"]))
+                    if role["optimizer_index"] == 0:  # the stage's first rank is the worst: measure it here
+                        role["optimizer"] = _measure_optimizer(chunks, config)
             finally:
                 _destroy()
-            if role["grad_buffers"]:
-                distributed = config.optimizer.distributed_optimizer is not False  # None: on, as on a GPU
-                role["optimizer_index"], role["owned"] = (worst_owner(role, per_stage, layout) if distributed
-                                                          else (0, role["trainable_numel"]))
+            if role["grad_buffers"] and "optimizer" not in role:
                 _initialize(stages[0] * per_stage + role["optimizer_index"], layout)
                 try:
-                    role["optimizer"] = _measure_optimizer(spec, layout, config)
+                    role["optimizer"] = _measure_optimizer(_build_on_meta(spec, layout, config), config)
                 finally:
                     _destroy()
         positions.append(dict(stages=stages, first=first, last=last, layer_kinds=[list(k) for k in layer_kinds],

@@ -24,11 +24,11 @@ from typing import Optional
 from rlmega.errors import UserError
 from rlmega.plan import formulas
 from rlmega.plan.meta_build import BuildRequest, measure_in_subprocess
+from rlmega.plan.phases import SOURCES, Holdings, Term, phase_terms
 from rlmega.plan.refit import Refit, plan_refit
 from rlmega.sync.engine_bytes import EngineLayout, engine_rank_bytes
 
 GIB = 1024**3
-PHASES = ("generate", "logprobs", "update", "sync")
 
 
 class PlanError(UserError):
@@ -67,9 +67,18 @@ class Position:
     engine: float
     """The colocated engine's share of this GPU (0 when disaggregated)."""
     export_buffer: float
-    phases: dict[str, float]
-    host: float
-    """Host bytes per rank at its peak."""
+    terms: dict[str, list[Term]]
+    """{phase: what the GPU holds in it}."""
+    host_terms: list[Term]
+    """What the rank's host memory holds at its peak."""
+
+    @property
+    def phases(self) -> dict[str, float]:
+        return {phase: sum(term.bytes for term in terms) for phase, terms in self.terms.items()}
+
+    @property
+    def host(self) -> float:
+        return sum(term.bytes for term in self.host_terms)
 
     @property
     def peak_phase(self) -> str:
@@ -131,7 +140,7 @@ class Plan:
     def to_json(self) -> dict:
         data = dataclasses.asdict(self)
         for position, raw in zip(self.positions, data["positions"]):
-            raw["peak_phase"] = position.peak_phase
+            raw.update(phases=position.phases, host=position.host, peak_phase=position.peak_phase)
             raw["free"] = self.gpu_memory - position.phases[position.peak_phase]
         for leg, raw in zip(self.refit.legs, data["refit"]["legs"]):
             raw["seconds"] = leg.seconds
@@ -139,6 +148,7 @@ class Plan:
         data["fits"] = not self.shortfalls
         data["bubble"] = self.bubble
         data["units"] = "bytes, seconds, GB/s (1e9 bytes)"
+        data["sources"] = SOURCES
         return data
 
 
@@ -250,33 +260,22 @@ def _position(run: _Run, raw: dict) -> Position:
         memory[name], index = _role_memory(role)
         worst = index if name == "actor" else worst
     activations = _activations(run, raw)
-    trained = sum(m.state for n, m in memory.items() if n != "ref")
-    ref = memory.get("ref")
-    ref_gpu = (ref.params + ref.buffers) if ref else 0.0
-    ref_rest = ref_gpu if ref and not config.ref.offload else 0.0
     colocated = config.rollout.placement == "colocated"
-    engine_here = (engine.weights + engine.workspace + max(engine.kv_cache, 0)) if colocated and engine.gpus else 0.0
-    stage = raw["stages"][0]
+    engine_here = (engine.weights, engine.workspace, engine.kv_cache) if colocated and engine.gpus else (0.0, 0.0, 0.0)
     # The export holds a bucket and the largest tensor it gathers; rank 0 two buckets (one in transit).
-    bucket = config.sync.bucket_bytes * (2 if stage == 0 else 1) + raw["roles"]["actor"]["sync_bytes"]["largest"]
-    reserved = config.plan.reserved_gib * GIB
-    # rollout.colocated_offload=never: training state and engine stay resident together in every phase.
-    resident = engine_here if colocated and config.rollout.colocated_offload == "never" else 0.0
-    phases = dict(
-        generate=reserved + ref_rest + (engine_here + (trained if resident else 0.0) if colocated else trained),
-        logprobs=reserved + trained + ref_gpu + activations["forward"] + resident,
-        update=reserved + trained + ref_rest + activations["configured"] + resident,
-        # Colocated, the woken engine also holds the buckets it receives (two slots).
-        sync=reserved + trained + ref_rest + bucket + (engine_here + 2 * config.sync.bucket_bytes if engine_here else 0),
-    )
-    ref_host = ref_gpu if ref and config.ref.offload else 0.0
-    # Host memory: the offloaded roles while the engines generate, or the sleeping engines' weights.
-    swapped = colocated and config.rollout.colocated_offload != "never"
-    host = sum(m.optimizer_host for m in memory.values()) + ref_host + (max(trained, engine.weights) if swapped else 0.0)
+    bucket = config.sync.bucket_bytes * (2 if raw["stages"][0] == 0 else 1) + raw["roles"]["actor"]["sync_bytes"]["largest"]
+    terms, host = phase_terms(Holdings(
+        roles=memory, ref_offloaded=bool(config.needs_reference and config.ref.offload),
+        activations=activations["configured"], forward=activations["forward"], engine=engine_here,
+        engine_weights=engine.weights, bucket=bucket, receive=2 * config.sync.bucket_bytes,
+        reserved=config.plan.reserved_gib * GIB, colocated=colocated,
+        # rollout.colocated_offload=never: training state and engine stay resident together in every phase.
+        resident=colocated and config.rollout.colocated_offload == "never"))
     return Position(
         stages=raw["stages"], ranks=_ranges([(s * per_stage, (s + 1) * per_stage - 1) for s in raw["stages"]]),
-        layers=_layers_label(raw), worst_rank=stage * per_stage + worst, roles=memory, activations=activations,
-        engine=engine_here, export_buffer=bucket, phases=phases, host=host)
+        layers=_layers_label(raw), worst_rank=raw["stages"][0] * per_stage + worst, roles=memory,
+        activations=activations, engine=engine_here[0] + engine_here[1] + max(engine_here[2], 0.0), export_buffer=bucket,
+        terms=terms, host_terms=host)
 
 
 def _resolve(config):

@@ -15,7 +15,7 @@ def _row(label: str, cells: list[str]) -> str:
     return f"  {label:<{LABEL}}" + "".join(f"{cell:>16}" for cell in cells)
 
 
-def _stages(stages: list[int]) -> str:
+def stages_label(stages: list[int]) -> str:
     return f"stage {stages[0]}" if len(stages) == 1 else f"stages {stages[0]}-{stages[-1]}" \
         if stages == list(range(stages[0], stages[-1] + 1)) else f"{len(stages)} stages"
 
@@ -37,7 +37,7 @@ def render(plan: Plan) -> str:
         "",
         "GiB per GPU (each position's rank with the largest optimizer shard; parameters and gradients are",
         "the same on every rank of a stage)",
-        _row("", [_stages(p.stages) for p in positions]),
+        _row("", [stages_label(p.stages) for p in positions]),
         _row("ranks", [",".join(f"{a}-{b}" if a != b else str(a) for a, b in p.ranks) for p in positions]),
         _row("layers", [p.layers for p in positions]),
     ]
@@ -83,7 +83,7 @@ def render(plan: Plan) -> str:
         if row["bytes_each"]:
             link = {"nvlink": "NVLink", "ib": "InfiniBand"}.get(row["link"])
             where = "hold it (rank 0)" if row["link"] == "self" else f"send it over {link} to rank 0"
-            lines.append(f"  {_stages(row['stages'])}: {row['count']} rank(s) own {row['bytes_each'] / 1e9:.2f} GB "
+            lines.append(f"  {stages_label(row['stages'])}: {row['count']} rank(s) own {row['bytes_each'] / 1e9:.2f} GB "
                          f"each ({row['kind']}) and {where}")
     for leg in refit.legs:
         lines.append(f"  {leg.name}: {leg.bytes / 1e9:.1f} GB over {leg.link} at {leg.gb_per_s:g} GB/s = {leg.seconds:.1f} s")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from rlmega.models.spec import sharded_model_state
+from rlmega.workers.optimizer_state import LEGACY_METADATA, SHARDED_METADATA, for_this_optimizer
 
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "rlmega.json"
@@ -55,16 +57,35 @@ def iteration_dir(root: Path, step: int) -> Path:
     return Path(root) / f"iter_{step:07d}"
 
 
+def iteration_dirs(root: str | Path) -> dict[int, Path]:
+    """Every ``iter_XXXXXXX`` directory under ``root`` by step, complete or not (staging ``.tmp`` ones aside)."""
+    root = Path(root)
+    if not root.is_dir():
+        return {}
+    found = (re.fullmatch(r"iter_(\d+)", entry.name) for entry in root.iterdir() if entry.is_dir())
+    return {int(match.group(1)): root / match.group(0) for match in found if match}
+
+
+def is_complete(directory: Path) -> bool:
+    """Whether ``directory`` is a checkpoint whose save finished (its metadata is written last, before the rename)."""
+    return (Path(directory) / METADATA).is_file()
+
+
+def complete_steps(root: str | Path) -> list[int]:
+    """The steps of the complete checkpoints under ``root``, oldest first."""
+    return sorted(step for step, directory in iteration_dirs(root).items() if is_complete(directory))
+
+
 def latest_checkpoint(path: str | Path) -> Optional[Path]:
     """The complete checkpoint at ``path``: an ``iter_*`` directory itself, or the one its tracker names."""
     path = Path(path)
-    if (path / METADATA).is_file():
+    if is_complete(path):
         return path
     tracker = path / TRACKER
     if not tracker.is_file():
         return None
     candidate = iteration_dir(path, int(tracker.read_text().strip()))
-    return candidate if (candidate / METADATA).is_file() else None
+    return candidate if is_complete(candidate) else None
 
 
 def _without_ddp(chunk):
@@ -94,14 +115,13 @@ def _with_optimizer_states(optimizer) -> None:
             inner._init_optimizer_states_with_dummy_values()
 
 
-def _sharded_state(chunks, optimizer, scheduler, *, is_loading: bool, with_rng: bool) -> dict:
+def _sharded_state(chunks, optimizer, scheduler, *, is_loading: bool, with_rng: bool,
+                   optimizer_metadata: dict = SHARDED_METADATA) -> dict:
     state = sharded_model_state([_without_ddp(chunk) for chunk in chunks])
     if optimizer is not None:
         model_state = state["model"] if len(state) == 1 else dict(state)
-        # Megatron 0.16's default format for the distributed optimizer (fully_sharded_model_space) writes
-        # flattened ranges its own ShardedTensor refuses; fully_reshardable also loads in other layouts.
         state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading,
-                                                          metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+                                                          metadata=dict(optimizer_metadata))
         state["scheduler"] = scheduler.state_dict()
     if with_rng:
         state["rng_state"] = _rng_object(is_loading)
@@ -128,7 +148,8 @@ def save_checkpoint(root: str | Path, step: int, chunks: list, optimizer=None, s
     dist.barrier()
     if dist.get_rank() == 0:
         (staging / METADATA).write_text(json.dumps(
-            {"step": step, "world_size": dist.get_world_size(), "layout": layout_description}, indent=1))
+            {"step": step, "world_size": dist.get_world_size(), "layout": layout_description,
+             "optimizer_keys": "by_parameter"}, indent=1))
         if final.exists():
             shutil.rmtree(final)
         os.replace(staging, final)
@@ -147,8 +168,7 @@ def rotate_checkpoints(root: str | Path, keep: int) -> list[Path]:
         raise ValueError(f"keep must be >= 1, got {keep}")
     root = Path(root)
     newest = latest_checkpoint(root)
-    complete = sorted((d for d in root.glob("iter_*") if d.suffix != ".tmp" and (d / METADATA).is_file()),
-                      key=lambda d: int(d.name.split("_")[1]))
+    complete = [iteration_dir(root, step) for step in complete_steps(root)]
     doomed = [d for d in complete[:-keep] if d != newest] + list(root.glob("iter_*.tmp"))
     for directory in doomed:
         shutil.rmtree(directory, ignore_errors=True)
@@ -175,7 +195,9 @@ def load_checkpoint(path: str | Path, chunks: list, optimizer=None, scheduler=No
         )
     if optimizer is not None:
         _with_optimizer_states(optimizer)
-    sharded = _sharded_state(chunks, optimizer, scheduler, is_loading=True, with_rng=same_world)
+    sharded = _sharded_state(chunks, optimizer, scheduler, is_loading=True, with_rng=same_world,
+                             optimizer_metadata=SHARDED_METADATA if metadata.get("optimizer_keys") == "by_parameter"
+                             else LEGACY_METADATA)
     # The CPU-offloaded optimizer's param groups name the torch optimizer classes it steps with.
     with torch.serialization.safe_globals([torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD]):
         state = dist_checkpointing.load(sharded, str(directory))
@@ -183,7 +205,7 @@ def load_checkpoint(path: str | Path, chunks: list, optimizer=None, scheduler=No
     for chunk, key in zip(chunks, sorted(model_keys, key=lambda key: int(key[5:] or 0))):
         _without_ddp(chunk).load_state_dict(state[key])
     if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        optimizer.load_state_dict(for_this_optimizer(optimizer, state["optimizer"]))
         scheduler.load_state_dict(state["scheduler"])
     if same_world:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker

@@ -155,3 +155,30 @@ def test_colocated_parts_kept_resident_are_counted_together_in_every_phase():
     assert engine > 0 and r.phases["logprobs"] - b.phases["logprobs"] == pytest.approx(engine)
     assert r.phases["sync"] == pytest.approx(b.phases["sync"])  # both are resident for the sync either way
     assert r.host < b.host  # nothing is parked in host memory
+
+
+def test_explain_lists_every_term_the_verdict_adds_up_each_with_its_source(capsys, tmp_path):
+    recipe = "configs/recipes/qwen3_30b_a3b/dapo.yaml"
+    overrides = ["actor.policy_loss.kl_loss_coef=0.001", "ref.offload=true"]  # a reference, offloaded: host terms too
+    assert main(["plan", recipe, *overrides, "--explain", "--json", str(tmp_path / "plan.json")]) == 0
+    out = capsys.readouterr().out
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    explained = out.split("Every term of the plan")[1]
+    sections = explained.split("\n\n")[1:1 + len(plan["positions"])]
+    sources = dict(line.strip().split(" ", 1) for line in explained.split("sources:\n")[1].splitlines() if line.strip().startswith("["))
+    for section, position in zip(sections, plan["positions"]):
+        rows = [line.split() for line in section.splitlines()[2:]]
+        terms = [row for row in rows if row[-1].startswith("[") and row[0] != "host:"]
+        assert terms and all(row[-1] in sources for row in rows if row[-1].startswith("["))
+        for column, phase in enumerate(("generate", "logprobs", "update", "sync")):
+            cells = [row[-5 + column] for row in terms]
+            total = sum(float(cell) for cell in cells if cell != "-")
+            # Each term is printed to 0.01 GiB: the sum of the printed terms is the phase within their rounding.
+            assert total == pytest.approx(position["phases"][phase] / 2**30, abs=0.005 * len(cells) + 1e-9), phase
+        assert any(row[:2] == ["ref", "parameters"] and row[-5] == "-" for row in terms)  # offloaded while generating
+        host = [row for row in rows if row[0] == "host:"]
+        assert any("ref" in row for row in host)
+        assert sum(float(row[-2]) for row in host) == pytest.approx(position["host"] / 2**30, abs=0.005 * len(host))
+    assert {source for phase in plan["positions"][0]["terms"].values() for source in (t["source"] for t in phase)} \
+        <= set(plan["sources"])
+    assert "measured:" in explained and "formula:" in explained and "config:" in explained

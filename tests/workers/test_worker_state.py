@@ -195,8 +195,10 @@ def _mtp_save_body(rank, world_size, layout, hf_dir, root):
     worker.update(_train_batch(worker, 1))  # weights off the HF ones, optimizer state for every parameter
     worker.save_checkpoint(root)
     weights = _weights(worker)
+    worker.update(_train_batch(worker, 2))  # the step a resumed actor must reproduce, in any layout
+    after = _weights(worker)
     destroy()
-    return weights
+    return weights, after
 
 
 def _mtp_load_body(rank, world_size, layout, hf_dir, root, role):
@@ -214,23 +216,59 @@ def mtp_saved(tmp_path_factory):
     hf_dir, root = tmp_path_factory.mktemp("deepseek-v3-mtp"), tmp_path_factory.mktemp("mtp-checkpoints")
     save_tiny_deepseek_mtp(hf_dir)
     layout = ParallelLayout(pp=2, first_stage_layers=1, world_size=2)  # uneven: 1 + 3 layers, MTP on the last stage
-    weights = run_on_ranks(_mtp_save_body, 2, timeout_s=TIMEOUT_S, args=(layout, str(hf_dir), str(root)))[0]
-    return hf_dir, root, weights
+    weights, after = run_on_ranks(_mtp_save_body, 2, timeout_s=TIMEOUT_S, args=(layout, str(hf_dir), str(root)))[0]
+    return hf_dir, root, weights, after
 
 
 @pytest.mark.parametrize("layout_args, role", [
     (dict(tp=2, pp=2, world_size=4), "actor"),  # even stages, the MTP layer split over tp
     (dict(world_size=1), "actor"),  # MTP on the one stage, beside the embedding
-    # The model alone: an actor's optimizer state does not load across ep=1 -> 2 (megatron-core chains a
-    # second optimizer for the experts at ep > 1 and prefixes its keys).
-    (dict(ep=2, world_size=2), "ref"),
+    (dict(ep=2, world_size=2), "ref"),  # the model alone
 ], ids=["tp2-pp2", "pp1", "ep2-model"])
 def test_mtp_checkpoint_saved_at_uneven_pp2_loads_bit_exact_in_another_layout(mtp_saved, layout_args, role):
-    hf_dir, root, expected = mtp_saved
+    hf_dir, root, expected, _ = mtp_saved
     assert "model.layers.4.eh_proj.weight" in expected  # the MTP layer is in the checkpoint
     layout = ParallelLayout(**layout_args)
     weights = run_on_ranks(_mtp_load_body, layout.world_size, timeout_s=TIMEOUT_S,
                            args=(layout, str(hf_dir), str(root), role))[0]
+    assert sorted(weights) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(weights[name], tensor), name
+
+
+def _mtp_carry_body(rank, world_size, layout, hf_dir, source, target):
+    initialize(layout)
+    worker = MegatronWorker(model_spec_from_hf(hf_dir), layout, _actor_config())
+    worker.load_checkpoint(source)
+    worker.save_checkpoint(target)  # no step between: the state passes through this layout unchanged
+    destroy()
+
+
+def _mtp_resume_body(rank, world_size, layout, hf_dir, root):
+    initialize(layout)
+    worker = MegatronWorker(model_spec_from_hf(hf_dir), layout, _actor_config())
+    worker.load_checkpoint(root)
+    worker.update(_train_batch(worker, 2))
+    weights = _weights(worker)
+    destroy()
+    return weights
+
+
+def test_mtp_actor_state_passes_through_layouts_that_split_the_experts_unchanged(mtp_saved, tmp_path):
+    """Model and optimizer saved at uneven PP2 (one optimizer, and a rank 0 whose stage has no experts),
+    loaded and saved again at EP2 (megatron-core chains a second optimizer for the experts), then at
+    uneven PP2 x EP2 (a chain saved by a rank 0 without experts), then resumed in the first layout:
+    the next step is the one the first layout took without the detour (Adam's moments and step intact)."""
+    hf_dir, root, _, expected = mtp_saved
+    hops = [ParallelLayout(ep=2, world_size=2), ParallelLayout(pp=2, first_stage_layers=1, ep=2, world_size=4)]
+    source = root
+    for index, layout in enumerate(hops):
+        target = tmp_path / f"hop{index}"
+        run_on_ranks(_mtp_carry_body, layout.world_size, timeout_s=TIMEOUT_S,
+                     args=(layout, str(hf_dir), str(source), str(target)))
+        source = target
+    weights = run_on_ranks(_mtp_resume_body, 2, timeout_s=TIMEOUT_S,
+                           args=(ParallelLayout(pp=2, first_stage_layers=1, world_size=2), str(hf_dir), str(source)))[0]
     assert sorted(weights) == sorted(expected)
     for name, tensor in expected.items():
         assert torch.equal(weights[name], tensor), name
