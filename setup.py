@@ -28,7 +28,8 @@ EXTRAS_REQUIRE = {
     "gpu": ["transformer-engine[pytorch]>=2.9,<2.12"],
     "vllm": ["vllm>=0.33,<0.34"],
     "sglang": ["sglang>=0.5.23,<0.5.24"],  # SGLang changes its Python API within 0.5.x
-    "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "hypothesis>=6.100,<7"],
+    "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "hypothesis>=6.100,<7",
+             "import-linter>=2.16,<3"],  # tests/import_contracts.ini: the layers, checked with the suite
     # benchmarks/peer_trl.py: TRL's GRPOTrainer on the same job. TRL's requirements that rlmega does not
     # already have (tested with accelerate 1.15.0, datasets 5.2.0, pandas 3.1.1); none replaces torch.
     "bench": ["trl==1.16.0", "accelerate>=1.10.1,<2", "datasets>=4.7,<6", "pandas>=2.1.1,<4"],

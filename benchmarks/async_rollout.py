@@ -114,8 +114,8 @@ def measure(mode: str, seed: int, work: Path, assets: Path, model: Path, args: a
     run_dir = work / f"{name}-seed{seed}"
     command = [sys.executable, "-m", "rlmega.cli.main", "train", f"run_dir={run_dir}", *common(assets, args),
                f"model.path={model}", f"rollout.mode={mode}", f"trainer.total_steps={args.steps}",
-               "trainer.sft_steps=0", f"trainer.val_every={args.steps}", "resume=never", f"trainer.seed={seed}",
-               f"rollout.max_staleness={staleness}"]
+               "trainer.sft_steps=0", f"trainer.val_every={args.steps}", "resume=never", "overwrite=true",
+               f"trainer.seed={seed}", f"rollout.max_staleness={staleness}"]
     run(command, work / f"{name}-seed{seed}.log", timeout_s=3600)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "timing_s/step" in row]

@@ -224,7 +224,7 @@ def rlmega_overrides(run_dir: Path, assets: Path, args: argparse.Namespace, layo
     """The overrides of ``rlmega train --config tiny_cpu`` for this job (check with --print-config)."""
     threads = args.threads
     return [
-        f"run_dir={run_dir}", "resume=never", "tiny_assets=false",
+        f"run_dir={run_dir}", "resume=never", "overwrite=true", "tiny_assets=false",
         f"model.path={assets / 'model'}", f"data.files=['{assets / 'train.parquet'}']",
         f"val_data.files=['{assets / 'val.parquet'}']",
         f"layout.world_size={layout['world_size']}", f"layout.tp={layout['tp']}",

@@ -65,7 +65,7 @@ def _measure(rank: int, world_size: int, hf_dir: str, bucket_bytes: int, names: 
         import ray
 
         from rlmega.rollout import HFEngine
-        from rlmega.rollout.ray_actor import RemoteEngine, start_engine_actor
+        from rlmega.trainer.engine_actor import RemoteEngine, start_engine_actor
 
         ray.init(address="local", num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1",
                  object_store_memory=6 * bucket_bytes + 1024 * MIB, log_to_driver=False)

@@ -24,40 +24,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 from torch.futures import Future
 
+from rlmega.bridge.torch_dist_files import FileSlice
+
 _STORAGE_DTYPES = {
     "FloatStorage": torch.float32, "BFloat16Storage": torch.bfloat16, "HalfStorage": torch.float16,
     "DoubleStorage": torch.float64, "LongStorage": torch.int64, "IntStorage": torch.int32,
     "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
 }
 _LOCAL_HEADER = 30  # zip local file header: fixed part; name and extra field follow
-
-
-class _Slice(io.RawIOBase):
-    """Bytes ``[offset, offset + length)`` of ``stream`` as a seekable file of their own."""
-
-    def __init__(self, stream, offset: int, length: int):
-        self.stream, self.offset, self.length, self.position = stream, offset, length, 0
-
-    def seekable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.position, os.SEEK_END: self.length}[whence]
-        self.position = min(max(base + offset, 0), self.length)
-        return self.position
-
-    def tell(self) -> int:
-        return self.position
-
-    def readinto(self, buffer) -> int:
-        count = min(len(buffer), self.length - self.position)
-        self.stream.seek(self.offset + self.position)
-        read = self.stream.readinto(memoryview(buffer)[:count])
-        self.position += read
-        return read
 
 
 class _TensorPickle(pickle.Unpickler):
@@ -92,7 +66,7 @@ def locate_tensor_bytes(stream, offset: int, length: int, size: tuple[int, ...],
     """Where, from ``offset``, the raw bytes of the ``torch.save``'d tensor stored at ``[offset,
     offset + length)`` of ``stream`` begin; None unless it is exactly one contiguous, uncompressed,
     little-endian ``dtype`` tensor of ``size``."""
-    view = _Slice(stream, offset, length)
+    view = FileSlice(stream, offset, length)
     try:
         with zipfile.ZipFile(view) as archive:
             [pickled] = [name for name in archive.namelist() if name.endswith("/data.pkl")]

@@ -133,6 +133,8 @@ def _run_mcore_to_hf(args) -> int:
 
     result = convert(args.checkpoint, args.output, args.hf_base, bucket_bytes=args.bucket_size,
                      shard_bytes=args.shard_size, dtype=_dtype(args.dtype), overwrite=args.overwrite, quiet=args.quiet)
+    for line in result.notes:
+        print(f"note: {line}")
     print(f"wrote {result.output}: {result.num_tensors} tensors, {human_bytes(result.bytes_written)} in "
           f"{result.num_shards} shard(s), {result.seconds:.1f} s")
     return 0

@@ -79,18 +79,12 @@ def _inspect_hf(hf_dir: Path, dtype: torch.dtype, spec, tp: int) -> tuple[int, b
     from rlmega.models import padded_vocab_size
 
     try:
-        checkpoint = HFCheckpoint(hf_dir)
+        checkpoint = HFCheckpoint(hf_dir)  # every shard opened: a missing or damaged one is named
+        numel = sum(math.prod(checkpoint.shape(key)) for key in checkpoint.keys())
     except FileNotFoundError as error:
         raise ConversionError(f"{error}; pass a directory saved by save_pretrained") from None
-    for path in sorted(set(checkpoint.files.values())):
-        if not path.is_file():
-            raise ConversionError(
-                f"{path.name} is listed in {hf_dir}/model.safetensors.index.json but missing; copy the complete model directory"
-            )
-    try:
-        numel = sum(math.prod(checkpoint.shape(key)) for key in checkpoint.keys())
-    except Exception as error:  # safetensors reports a damaged header as a plain error
-        raise ConversionError(f"{hf_dir} has a damaged safetensors file ({error}); copy it again") from None
+    except CheckpointError as error:
+        raise ConversionError(str(error)) from None
     stores_tied_head = False
     if spec.tie_word_embeddings:
         embedding = RuleBook(spec.architecture).resolve("embedding.word_embeddings.weight")[1][0]

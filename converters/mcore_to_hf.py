@@ -61,22 +61,31 @@ def _mtp_copies(params: list[StoredParam]) -> list[StoredParam]:
     return copies
 
 
-def plan(checkpoint: MegatronCheckpoint, spec, config: dict, hf_base: Path) -> list[Unit]:
-    """Every HF tensor the checkpoint becomes, in HF's natural order; ConversionError if the
-    checkpoint and the ``--hf-base`` config disagree on any name or shape."""
+def untied_if_trained_head(params: list[StoredParam], spec, config: dict, hf_base: Path) -> tuple:
+    """``(spec, config, notes)`` for the export of ``params``. Megatron stores no output layer of a model that ties
+    it to the embedding, so a checkpoint that has one was trained with a head of its own: exported under an
+    ``--hf-base`` config that ties the head, it would be dropped. The export then keeps it as ``lm_head.weight`` and
+    writes ``tie_word_embeddings: false`` (nothing is lost), saying so in a note."""
+    if not spec.tie_word_embeddings or not any(param.canonical == _OUTPUT_LAYER for param in params):
+        return spec, config, ()
+    config = {**config, "tie_word_embeddings": False}
+    if isinstance(config.get("text_config"), dict) and "tie_word_embeddings" in config["text_config"]:
+        config["text_config"] = {**config["text_config"], "tie_word_embeddings": False}
+    note = (f"the checkpoint has an output layer of its own, which {hf_base}/config.json ties to the embedding: "
+            "it is written as lm_head.weight, with tie_word_embeddings: false in config.json")
+    return dataclasses.replace(spec, tie_word_embeddings=False), config, (note,)
+
+
+def plan(checkpoint: MegatronCheckpoint, params: list[StoredParam], spec, config: dict, hf_base: Path) -> list[Unit]:
+    """Every HF tensor the checkpoint's ``params`` (``model_params``) become, in HF's natural order;
+    ConversionError if the checkpoint and the ``--hf-base`` config disagree on any name or shape. ``spec``
+    and ``config`` as ``untied_if_trained_head`` gives them."""
     from rlmega.bridge.mapping import RuleBook, hf_shapes
     from rlmega.bridge.params import geometry_of
 
-    params = checkpoint.params(spec.num_layers)
-    if not params:
-        skipped = sorted(checkpoint.metadata.state_dict_metadata)
-        raise ConversionError(
-            f"{checkpoint.directory} holds no model weights ({len(skipped)} entries, e.g. {skipped[:1]}, all optimizer "
-            "state or non-tensor objects); pass a checkpoint saved with the model's state dict"
-        )
     if spec.tie_word_embeddings:  # the embedding is the LM head; HF stores it once
         params = [param for param in params if param.canonical != _OUTPUT_LAYER]
-    params += _mtp_copies(params)
+    params = params + _mtp_copies(params)
     # A source that stored the head as well (hf-to-mcore records it) gets it back as a copy of the embedding,
     # so a round trip has exactly the source's keys.
     tied_head = spec.tie_word_embeddings and checkpoint.content_metadata().get(STORES_TIED_HEAD, False)
@@ -97,6 +106,18 @@ def plan(checkpoint: MegatronCheckpoint, spec, config: dict, hf_base: Path) -> l
     units.sort(key=lambda unit: _natural(unit.hf[0][0]))
     _check_against_base(units, spec, expected_tensors(hf_base, config, with_tied_head=tied_head), hf_base)
     return units
+
+
+def model_params(checkpoint: MegatronCheckpoint, spec) -> list[StoredParam]:
+    """The checkpoint's model parameters; ConversionError when it holds none."""
+    params = checkpoint.params(spec.num_layers)
+    if not params:
+        skipped = sorted(checkpoint.metadata.state_dict_metadata)
+        raise ConversionError(
+            f"{checkpoint.directory} holds no model weights ({len(skipped)} entries, e.g. {skipped[:1]}, all optimizer "
+            "state or non-tensor objects); pass a checkpoint saved with the model's state dict"
+        )
+    return params
 
 
 def _check_against_base(units: list[Unit], spec, expected: dict, hf_base: Path) -> None:
@@ -173,6 +194,8 @@ class Result:
     """End to end, checks included."""
     stream_seconds: float
     """Reading, converting and writing the tensors (fsynced)."""
+    notes: tuple[str, ...] = ()
+    """What the export did differently from the ``--hf-base`` config (``untied_if_trained_head``), one line each."""
 
 
 def convert(checkpoint_path: str | Path, output: str | Path, hf_base: str | Path, *,
@@ -189,7 +212,9 @@ def convert(checkpoint_path: str | Path, output: str | Path, hf_base: str | Path
     # MTP as config.json says: the Megatron checkpoint decides which layers there are to export.
     config, spec = read_base(hf_base, mtp="on")
     checkpoint = MegatronCheckpoint(checkpoint_path)
-    units = plan(checkpoint, spec, config, hf_base)
+    params = model_params(checkpoint, spec)
+    spec, config, notes = untied_if_trained_head(params, spec, config, hf_base)
+    units = plan(checkpoint, params, spec, config, hf_base)
     checkpoint.check_files({region.key for unit in units for region in unit.param.parts})
     entries = [Entry(name, shape, dtype or unit.param.dtype) for unit in units for name, shape in unit.hf]
     small_files = sum((hf_base / name).stat().st_size for name in TOKENIZER_FILES if (hf_base / name).is_file())
@@ -217,4 +242,4 @@ def convert(checkpoint_path: str | Path, output: str | Path, hf_base: str | Path
         stream_seconds = time.perf_counter() - stream_started
         write_model_files(hf_base, partial, config, entries[0].dtype)
     return Result(output, len(entries), len(writer.shards), writer.total_bytes, time.perf_counter() - started,
-                  stream_seconds)
+                  stream_seconds, notes)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import pickle
 import re
 import warnings
@@ -222,17 +221,22 @@ class MegatronCheckpoint:
     """The model tensors of one torch_dist checkpoint directory (see ``resolve_checkpoint_dir``)."""
 
     def __init__(self, path: str | Path):
+        from rlmega.bridge import CheckpointError
+        from rlmega.bridge.torch_dist_files import read_backend, read_index
+
         self.directory = resolve_checkpoint_dir(path)
-        backend = self.directory / "metadata.json"
-        if backend.is_file():
-            kind = json.loads(backend.read_text()).get("sharded_backend")
-            if kind != "torch_dist":
-                raise ConversionError(
-                    f"{self.directory} was saved with the {kind!r} backend; only torch_dist is read here "
-                    "(re-save it with dist_checkpointing's torch_dist strategy)"
-                )
         self.reader = DirectChunkReader(str(self.directory))
-        self.metadata = self.reader.read_metadata()
+        try:
+            backend = read_backend(self.directory)
+            self.metadata = read_index(self.directory, self.reader)
+        except CheckpointError as error:  # names metadata.json or .metadata
+            raise ConversionError(str(error)) from None
+        kind = None if backend is None else backend.get("sharded_backend")
+        if backend is not None and kind != "torch_dist":
+            raise ConversionError(
+                f"{self.directory} was saved with the {kind!r} backend; only torch_dist is read here "
+                "(re-save it with dist_checkpointing's torch_dist strategy)"
+            )
 
     def tensor_keys(self) -> dict[str, TensorStorageMetadata]:
         """Every stored tensor that is model state: optimizer state and non-tensor objects
@@ -266,9 +270,16 @@ class MegatronCheckpoint:
         from megatron.core.dist_checkpointing import load_content_metadata
         from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 
+        from rlmega.bridge import CheckpointError
+        from rlmega.bridge.torch_dist_files import check_common
+
         path = self.directory / COMMON_STATE_FNAME
         if not path.is_file():
             return {}
+        try:
+            check_common(self.directory)  # a torn common.pt would pass as one without a record
+        except CheckpointError as error:
+            raise ConversionError(str(error)) from None
         try:
             common = torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError:
@@ -279,23 +290,13 @@ class MegatronCheckpoint:
 
     def check_files(self, keys: set[str]) -> None:
         """Raise ConversionError if a shard file holding any of ``keys`` is missing or too short."""
-        needed: dict[str, int] = {}
-        for index, info in self.metadata.storage_data.items():
-            if index.fqn in keys:
-                needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-        for name, length in sorted(needed.items()):
-            path = self.directory / name
-            if not path.is_file():
-                raise ConversionError(
-                    f"shard file {name} of {self.directory} is missing (listed in .metadata); "
-                    "copy the complete checkpoint directory"
-                )
-            size = path.stat().st_size
-            if size < length:
-                raise ConversionError(
-                    f"shard file {path} is truncated ({size} bytes, .metadata says at least {length}); "
-                    "copy it again from the original checkpoint"
-                )
+        from rlmega.bridge import CheckpointError
+        from rlmega.bridge.torch_dist_files import check_files
+
+        try:
+            check_files(self.directory, self.metadata, keys)
+        except CheckpointError as error:
+            raise ConversionError(str(error)) from None
 
     def read(self, regions: list[Region]) -> list[torch.Tensor]:
         """The tensors of ``regions``, leading layer/expert axes dropped; one pass over the files."""
@@ -305,8 +306,8 @@ class MegatronCheckpoint:
                 warnings.simplefilter("ignore")
                 dcp.load({}, storage_reader=self.reader, planner=_RegionPlanner(regions, buffers), no_dist=True)
         except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
-            raise ConversionError(
-                f"reading {self.directory} failed ({_cause(error)}); its shard files are damaged, "
-                "copy them again from the original"
-            ) from error
+            from rlmega.bridge.torch_dist_files import find_damage
+
+            damage = find_damage(self.directory) or f"reading {self.directory} failed ({_cause(error)}): it is damaged"
+            raise ConversionError(f"{damage}; copy it again from the original checkpoint") from error
         return [buffer.reshape(region.shape) for buffer, region in zip(buffers, regions)]

@@ -37,12 +37,14 @@ class Report:
 
 
 def _open(directory: Path):
-    from rlmega.bridge import HFCheckpoint
+    from rlmega.bridge import CheckpointError, HFCheckpoint
 
     try:
-        return HFCheckpoint(directory)
+        return HFCheckpoint(directory)  # every shard opened: a missing or damaged one is named
     except FileNotFoundError as error:
         raise ConversionError(f"{error}; pass a directory written by save_pretrained or mcore-to-hf") from None
+    except CheckpointError as error:
+        raise ConversionError(str(error)) from None
 
 
 def compare_tensors(exported: Path, reference: Path, report: Report) -> bool:
@@ -95,8 +97,13 @@ def compare_logits(exported: Path, reference: Path, atol: float, report: Report)
 
 
 def verify(exported: str | Path, reference: str | Path, *, logits: bool = False, atol: float = DEFAULT_ATOL) -> Report:
+    from rlmega.bridge import CheckpointError
+
     report = Report()
-    dtype_differs = compare_tensors(Path(exported), Path(reference), report)
+    try:
+        dtype_differs = compare_tensors(Path(exported), Path(reference), report)
+    except CheckpointError as error:  # a shard that does not hold what the index says
+        raise ConversionError(str(error)) from None
     if (logits or dtype_differs) and not report.structural:
         compare_logits(Path(exported), Path(reference), atol, report)
     return report

@@ -13,10 +13,9 @@ from __future__ import annotations
 import json
 import resource
 import sys
-import traceback
 from multiprocessing.connection import Connection
 
-from rlmega.rewards._worker import die_with_parent, serve
+from rlmega.rewards._worker import die_with_parent, one_line, serve
 
 
 def main(argv: list[str]) -> int:
@@ -36,8 +35,8 @@ def main(argv: list[str]) -> int:
         schemas = [schema_of(function) for function in functions]
         by_name = {schema["function"]["name"]: function for schema, function in zip(schemas, functions)}
         with_context = {name for name, function in by_name.items() if takes_context(function)}
-    except BaseException:
-        results.send(("failed", traceback.format_exc(limit=-4)))
+    except BaseException as error:
+        results.send(("failed", one_line(error)))
         return 1
     def answer(kind, *payload) -> tuple:
         if kind == "describe":

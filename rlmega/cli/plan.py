@@ -36,9 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rlmega.config import load_config
+    from rlmega.config.load import check_choices
     from rlmega.plan import check, make_plan, render, render_explain
 
     config = load_config(args.config, args.overrides, check=False)
+    check_choices(config)  # no data or weights are read: the rest of the checks are the plan's own
     plan = make_plan(config, args.config)
     if args.json == "-":
         json.dump(plan.to_json(), sys.stdout, indent=1)

@@ -25,16 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlmega.config import ConfigError, load_config, validate
+    from rlmega.config import ConfigError, load_config
 
     config = load_config(args.config, args.overrides, check=False)
-    if config.tiny_assets:
-        from rlmega.trainer.assets import prepare_run_assets
-
-        prepare_run_assets(config)
-    validate(config)
     if config.trainer.sft_steps < 1:
         raise ConfigError("trainer.sft_steps: rlmega sft needs at least one step")
+    from rlmega.trainer.run_assets import validate_with_assets
     from rlmega.trainer.build import run_sft
 
-    return run_sft(config)
+    datasets = validate_with_assets(config)  # every check before anything is written into run_dir
+    return run_sft(config, datasets)

@@ -17,8 +17,9 @@ examples:
                                                  # a verl config (and verl-style overrides) on top of --config
 
 overrides use Hydra syntax: key.sub=value, algo=<name> picks configs/algo/<name>.yaml.
-the run resumes from the latest checkpoint in run_dir unless resume=never; SIGTERM saves a
-checkpoint after the current step and exits with code 143.
+the run resumes from the newest complete checkpoint in run_dir unless resume=never, and refuses
+settings that change what its checkpoints were trained with; resume=never over checkpoints needs
+--overwrite. SIGTERM saves a checkpoint after the current step and exits with code 143.
 """
 
 
@@ -34,11 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="rlmega_overrides",
                         help="with --from-verl: an rlmega override applied after the translation "
                              "(e.g. --set trainer.val_prompts=64); repeatable")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="with resume=never: start afresh over the checkpoints in run_dir and replace them "
+                             "(the same as overwrite=true)")
     parser.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. trainer.total_steps=10")
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlmega.config import ConfigError, load_config, validate
+    from rlmega.config import ConfigError, load_config
     from rlmega.config.load import to_yaml
 
     overrides = args.overrides
@@ -51,15 +55,14 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(str(error)) from error
     elif args.rlmega_overrides:
         raise ConfigError("--set is for rlmega overrides next to --from-verl; without it, give them as arguments")
+    if args.overwrite:
+        overrides = [*overrides, "overwrite=true"]
     config = load_config(args.config, overrides, check=False)
     if args.print_config:
         print(to_yaml(config))
         return 0
-    if config.tiny_assets:
-        from rlmega.trainer.assets import prepare_run_assets
-
-        prepare_run_assets(config)
-    validate(config)
+    from rlmega.trainer.run_assets import validate_with_assets
     from rlmega.trainer.build import run as run_training
 
-    return run_training(config)
+    datasets = validate_with_assets(config)  # every check before anything is written into run_dir
+    return run_training(config, datasets)

@@ -97,11 +97,17 @@ def _require(condition: bool, field: str, message: str) -> None:
         raise ConfigError(f"{field}: {message}")
 
 
-def validate(config: RLConfig) -> None:
+def validate(config: RLConfig):
     """Raise a UserError naming the first field, file or row that cannot work: ConfigError for a
-    setting, DataFormatError for a dataset row (the data files are read and tokenized here)."""
-    from rlmega.models import UnsupportedModelError, model_spec_from_hf
-    from rlmega.parallel.layout import LayoutError
+    setting, DataFormatError for a dataset row. The data files are read and tokenized here, once: the
+    ``rlmega.data.PromptDatasets`` returned are the run's (``PromptSource(config, datasets=...)``)."""
+    check_settings(config)
+    return check_inputs(config)
+
+
+def check_settings(config: RLConfig) -> None:
+    """The checks that read no model and no data: everything that can be refused before files the run builds
+    itself (``tiny_assets``) exist."""
     from rlmega.rewards.user_function import check_function_defined
 
     from rlmega import algos
@@ -131,7 +137,7 @@ def validate(config: RLConfig) -> None:
         raise ConfigError(f"actor.{error}") from error
     _require(config.sync.transport == "auto" or config.sync.transport in _transports(), "sync.transport",
              f"{config.sync.transport!r} is not one of auto, {', '.join(sorted(_transports()))}")
-    from rlmega.sync.transports import SHARDED_RDT
+    from rlmega.sync.registry import SHARDED_RDT
 
     _require(config.sync.transport != SHARDED_RDT or config.rollout.backend == "vllm", "sync.transport",
              f"{SHARDED_RDT} is vLLM's own weight transfer, but rollout.backend is {config.rollout.backend!r}: "
@@ -161,10 +167,14 @@ def validate(config: RLConfig) -> None:
              f"{rollout.mode} overlaps generation with training, so the engines need resources of their own: "
              "set rollout.placement=disaggregated")
     _require(rollout.max_staleness >= 0, "rollout.max_staleness", "must be >= 0")
+    _require(not rollout.restart_dead_engines or rollout.mode != "one_step_off", "rollout.restart_dead_engines",
+             "one_step_off generates the next step while the ranks train, so they cannot give a restarted engine "
+             "the weights that step is generated from; use rollout.mode=sync or async, or set it to 0")
+    _require(not rollout.restart_dead_engines or config.sync.transport != SHARDED_RDT, "rollout.restart_dead_engines",
+             f"sync.transport={SHARDED_RDT} plans its transfers for the engines of the first sync, so a restarted "
+             "engine would get no weights; choose another transport, or set it to 0")
     if config.cluster.in_process == "always":
-        from rlmega.trainer.in_process import in_process_obstacles
-
-        obstacles = in_process_obstacles(config)
+        obstacles = config.in_process_obstacles()
         _require(not obstacles, "cluster.in_process", "always, but this run cannot run in one process: "
                  f"{'; '.join(obstacles)}. Set cluster.in_process=auto to run it on Ray")
     _require(rollout.mode != "async" or config.algorithm.adv_estimator != "remax", "rollout.mode",
@@ -184,6 +194,18 @@ def validate(config: RLConfig) -> None:
              f"{config.actor.ppo_mini_batches} mini-batches need at least as many responses per step, got {responses}")
     _require(config.actor.role == "actor" and config.ref.role == "ref" and config.critic.role == "critic",
              "actor.role / ref.role / critic.role", "must stay actor, ref and critic")
+    if config.reward.user_function is not None:
+        check_function_defined(config.reward.user_function)
+    _check_reward_weights(config)
+
+
+def check_inputs(config: RLConfig):
+    """The model, the reward model, the judge and the data: files exist and fit the settings. Returns the prompt
+    datasets, read and tokenized (``rlmega.data.PromptDatasets``)."""
+    from rlmega.bridge import CheckpointError, HFCheckpoint
+    from rlmega.models import UnsupportedModelError, model_spec_from_hf
+    from rlmega.parallel.layout import LayoutError
+
     model_dir = Path(config.model.path)
     _require((model_dir / "config.json").is_file(), "model.path", f"no HF checkpoint (config.json) at {model_dir}")
     for field, data in (("data.files", config.data), ("val_data.files", config.val_data)):
@@ -202,13 +224,14 @@ def validate(config: RLConfig) -> None:
         spec.check_layout(config.layout.build())
     except LayoutError as error:
         raise ConfigError(f"layout: {error}") from error
+    try:  # every safetensors file's header: a missing or damaged shard is named before anything starts
+        HFCheckpoint(model_dir)
+    except (CheckpointError, FileNotFoundError) as error:
+        raise ConfigError(f"model.path: {error}") from None
     _check_router_replay(config, spec)
-    if config.reward.user_function is not None:
-        check_function_defined(config.reward.user_function)
-    _check_reward_weights(config)
     _check_reward_model(config)
     _check_judge(config)
-    _check_data(config)
+    return _check_data(config)
 
 
 def _check_router_replay(config: RLConfig, spec) -> None:
@@ -238,7 +261,7 @@ def _check_router_replay(config: RLConfig, spec) -> None:
 COUNTS = {"rollout.n": 1, "rollout.max_new_tokens": 1, "trainer.total_steps": 1, "trainer.prompts_per_step": 1,
           "trainer.val_prompts": 1, "trainer.sft_steps": 0, "trainer.save_every": 0, "trainer.val_every": 0,
           "reward_model.max_tokens_per_microbatch": 1, "judge.response_length": 1, "judge.num_engines": 1,
-          "judge.tensor_parallel_size": 1}
+          "judge.tensor_parallel_size": 1, "rollout.restart_dead_engines": 0, "rollout.restart_window_steps": 1}
 
 
 def _reward_weights(config: RLConfig):
@@ -280,6 +303,7 @@ def _load_tokenizer(field: str, source: str):
 def _check_reward_model(config: RLConfig) -> None:
     """The reward model: a one-label sequence-classification checkpoint that fits its layout, a tokenizer,
     and a chat template wherever the response must be re-tokenised."""
+    from rlmega.bridge import HFCheckpoint
     from rlmega.models import UnsupportedModelError, model_spec_from_hf
     from rlmega.parallel.layout import LayoutError
     from rlmega.rewards import same_tokenization
@@ -292,8 +316,9 @@ def _check_reward_model(config: RLConfig) -> None:
     try:
         spec = model_spec_from_hf(reward.path)
         check_head(spec, "reward")
-    except (UnsupportedModelError, ValueError) as error:
-        raise ConfigError(f"reward_model.path: {error}") from error
+        HFCheckpoint(reward.path)  # a missing or damaged safetensors file, named
+    except (UnsupportedModelError, ValueError, FileNotFoundError) as error:
+        raise ConfigError(f"reward_model.path: {error}") from None
     try:
         spec.check_layout(reward.layout.build())
     except LayoutError as error:
@@ -369,12 +394,14 @@ def _check_devices(config: RLConfig) -> None:
                                   "via cluster.ray_address")
 
 
-def _check_data(config: RLConfig) -> None:
-    """Read and tokenize the datasets as the run will, so that a bad file or row is refused with the
-    other checks, before anything starts (DataFormatError naming the file and row)."""
+def _check_data(config: RLConfig):
+    """Read and tokenize the datasets as the run will (a vision-language model's images processed), so that a bad
+    file or row is refused with the other checks, before anything starts (DataFormatError naming the file and row);
+    returns them (``rlmega.data.PromptDatasets``) for the run."""
     from transformers import AutoTokenizer
 
-    from rlmega.data import DataFormatError, load_prompts
+    from rlmega.data import DataFormatError, PromptDatasets
+    from rlmega.data.images import image_prompts_for
     from rlmega.rewards import RULE_SCORERS
 
     field = "model.tokenizer_path" if config.model.tokenizer_path else "model.path"
@@ -383,17 +410,19 @@ def _check_data(config: RLConfig) -> None:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as error:
         raise ConfigError(f"{field}: no tokenizer loads from {source} ({str(error).splitlines()[0]})") from None
-    dataset = load_prompts(config.data, tokenizer, config_key="data")  # the run reuses these (load_prompts)
-    datasets = [dataset]
-    if config.trainer.val_every:
-        datasets.append(load_prompts(config.val_data, tokenizer, config_key="val_data"))
+    processor = image_prompts_for(config.model.path, config.model.tokenizer_path, tokenizer,
+                                  multi_turn=config.agent.enabled)
+    prompts = PromptDatasets.read(config.data, config.val_data if config.trainer.val_every else None, tokenizer,
+                                  processor)
+    dataset = prompts.train
     prompts_per_step = config.trainer.prompts_per_step
     filtered = f" ({dataset.num_filtered} more were longer than data.max_prompt_length)" if dataset.num_filtered else ""
     _require(prompts_per_step <= len(dataset), "trainer.prompts_per_step",
              f"{prompts_per_step} prompts per step, but data.files hold {len(dataset)}{filtered}; "
              "lower trainer.prompts_per_step or add prompts")
     weights = _reward_weights(config)  # only the rows the rule component scores need a rule scorer
-    unscored = next((r for data, validation in zip(datasets, (False, True)) for r in data.records
+    unscored = next((r for data, validation in ((prompts.train, False), (prompts.val, True)) if data is not None
+                     for r in data.records
                      if r.data_source not in RULE_SCORERS
                      and weights.runs("rule", r.data_source, validation=validation)), None)
     if unscored is not None:
@@ -401,6 +430,7 @@ def _check_data(config: RLConfig) -> None:
             f"{unscored.source_file} row {unscored.source_row}: no rule scorer for data_source "
             f"{unscored.data_source!r}; valid: {', '.join(sorted(RULE_SCORERS))}; or score every row with "
             "reward.user_function=path/to/file.py:function")
+    return prompts
 
 
 def check_choices(config: RLConfig) -> None:
@@ -425,7 +455,7 @@ GROUP_ESTIMATORS = ("grpo", "dr_grpo", "grpo_passk", "gpg", "rloo", "reinforce_p
 
 
 def _transports() -> tuple[str, ...]:
-    from rlmega.sync.transports import SHARDED_RDT, TRANSPORTS
+    from rlmega.sync.registry import SHARDED_RDT, TRANSPORTS
 
     return (*TRANSPORTS, SHARDED_RDT)
 

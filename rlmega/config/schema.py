@@ -8,6 +8,7 @@ rewards, metrics); this module gathers them and adds the ones that belong to the
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Optional
 
 from rlmega.agent.config import AgentConfig
@@ -100,6 +101,15 @@ class RolloutConfig:
     """async: responses in flight when new weights arrive are interrupted; ``continue`` carries on with the
     new weights from where they stopped (each token records the version that produced it), ``restart``
     throws the partial response away and generates it again."""
+    restart_dead_engines: int = 0
+    """An engine that dies in a request (killed, out of memory, crashed) is started again on its resources, given the
+    current weights through the weight sync and checked (the post-sync check), and the requests it had in flight
+    are submitted again; this many times per engine within ``restart_window_steps`` steps, and one more death
+    stops the run naming the engine and its restarts. 0: a dead engine stops the run. Needs engines in processes
+    of their own (Ray; a run in one process goes on Ray) and ``mode`` sync or async; see rlmega/trainer/README.md
+    (Engine restarts)."""
+    restart_window_steps: int = 100
+    """The window of ``restart_dead_engines``, in training steps: an engine's restarts count for this many steps."""
 
     @property
     def gpus_of_one_engine(self) -> int:
@@ -344,6 +354,9 @@ class MetricsConfig:
 class ClusterConfig:
     ray_address: Optional[str] = None
     """None: start a local Ray; "auto" or an address: join that cluster (RAY_ADDRESS also works)."""
+    connect_timeout_s: float = 30.0
+    """Longest wait for a Ray head to answer at ``ray_address`` before the run stops with one line saying none
+    does (Ray itself would retry for many minutes without a word)."""
     cpus_per_rank: float = 1.0
     gpus_per_rank: float = 0.0
     timeout_s: float = 600.0
@@ -360,7 +373,11 @@ class RLConfig:
     run_dir: str = "runs/rlmega"
     """Everything the run writes: checkpoints/, metrics.jsonl, placement.json, reward_curve.png, hf/."""
     resume: str = choice("auto", "never")
-    """auto: continue from the latest complete checkpoint in run_dir if any; never: start fresh."""
+    """auto: continue from the newest complete checkpoint in run_dir if any (refused when the settings changed what
+    is trained; rlmega/trainer/README.md, How resume decides); never: start afresh."""
+    overwrite: bool = False
+    """With ``resume=never``: replace the checkpoints already in run_dir (at the new run's first save); without it
+    such a run is refused. ``rlmega train --overwrite`` sets it."""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     val_data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -408,3 +425,28 @@ class RLConfig:
     @property
     def needs_critic(self) -> bool:
         return self.algorithm.adv_estimator == "gae"
+
+    def in_process_obstacles(self) -> list[str]:
+        """What keeps this run from starting in one process (``cluster.in_process``; empty: nothing)."""
+        rollout = self.rollout
+        obstacles = []
+        if rollout.backend != "hf":
+            obstacles.append(f"rollout.backend={rollout.backend} (the transformers engine only)")
+        if rollout.num_engines != 1:
+            obstacles.append(f"rollout.num_engines={rollout.num_engines} (one engine only)")
+        if rollout.placement != "colocated":
+            obstacles.append(f"rollout.placement={rollout.placement} (colocated only)")
+        if rollout.mode != "sync":
+            obstacles.append(f"rollout.mode={rollout.mode} (generation and training take turns in one process)")
+        if rollout.restart_dead_engines:
+            obstacles.append(f"rollout.restart_dead_engines={rollout.restart_dead_engines} (an engine is restarted in "
+                             "a process of its own; one in the driver's process that dies takes the driver with it)")
+        if self.cluster.gpus_per_rank > 0 or rollout.gpus_per_engine > 0:
+            obstacles.append("GPUs (cluster.gpus_per_rank, rollout.gpus_per_engine): CPU runs only, for now")
+        if self.reward_model.enable:
+            obstacles.append("reward_model.enable (the reward model has ranks of its own)")
+        if self.judge.enable:
+            obstacles.append("judge.enable (the judge has engines of its own)")
+        if self.cluster.ray_address or os.environ.get("RAY_ADDRESS"):
+            obstacles.append("a Ray cluster to join (cluster.ray_address or RAY_ADDRESS)")
+        return obstacles

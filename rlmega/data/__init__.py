@@ -1,7 +1,7 @@
 """Prompt data for RL: verl-schema parquet/jsonl files, chat templates, length limits, a resumable sampler."""
 
-from rlmega.data.dataset import TRUNCATION_MODES, DataConfig, PromptDataset, load_prompts, prompt_text
-from rlmega.data.files import read_rows, write_rows
+from rlmega.data.dataset import TRUNCATION_MODES, DataConfig, PromptDataset, PromptDatasets, prompt_text
+from rlmega.data.files import OutOfMemoryError, read_rows, write_rows
 from rlmega.data.sampler import StatefulSampler
 from rlmega.data.schema import DataFormatError, PromptRecord, parse_row
 from rlmega.data.synthetic import ARITHMETIC_DATA_SOURCE, make_arithmetic_rows, write_arithmetic_dataset
@@ -12,8 +12,9 @@ __all__ = [
     "TRUNCATION_MODES",
     "DataConfig",
     "DataFormatError",
+    "OutOfMemoryError",
     "PromptDataset",
-    "load_prompts",
+    "PromptDatasets",
     "PromptRecord",
     "StatefulSampler",
     "build_char_tokenizer",

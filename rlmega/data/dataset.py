@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from rlmega.data.files import read_rows
+from rlmega.data.files import out_of_memory, read_rows
 from rlmega.data.images import place_images, read_images
 from rlmega.data.schema import DataFormatError, Message, PromptRecord, parse_row
 from rlmega.errors import UserError
@@ -91,7 +91,10 @@ class PromptDataset:
             raise UserError(f"{config_key}.use_chat_template: the tokenizer has no chat template; set "
                             f"{config_key}.use_chat_template=false to tokenize the prompts' text as it is")
         for path in config.files:
-            self._load_file(path, tokenizer)
+            try:
+                self._load_file(path, tokenizer)
+            except MemoryError as error:  # rendering and tokenizing it (read_rows names the file itself)
+                raise out_of_memory(path, error) from None
         if not self.records:
             raise DataFormatError(
                 f"{config_key}.files: no prompts left: all {self.num_filtered} are longer than "
@@ -192,23 +195,29 @@ class PromptDataset:
         return {record.data_source for record in self.records}
 
 
-_LOADED: dict[tuple, PromptDataset] = {}
+@dataclass
+class PromptDatasets:
+    """A run's prompts, read and tokenized once: by the start-up checks (``rlmega.config.validate``), which hand them
+    to the run (``rlmega.trainer.prompts.PromptSource``)."""
 
+    train: PromptDataset
+    val: Optional[PromptDataset] = None
+    """None without validation (``trainer.val_every: 0``)."""
 
-def load_prompts(config: DataConfig, tokenizer: Any, *, config_key: str = "data", processor: Any = None) -> PromptDataset:
-    """``PromptDataset(config, tokenizer)``, read and tokenized once per process: the start-up checks and
-    the run then share one copy. Reused only for the same settings, tokenizer and files unchanged on
-    disk (size and modification time)."""
-    try:
-        files = tuple((path, os.stat(path).st_size, os.stat(path).st_mtime_ns) for path in config.files)
-    except OSError:  # let PromptDataset name the missing file
-        return PromptDataset(config, tokenizer, config_key=config_key, processor=processor)
-    key = (repr(config), config_key, getattr(tokenizer, "name_or_path", None), len(tokenizer),
-           getattr(tokenizer, "chat_template", None), files)
-    if key[2] is None or processor is not None:  # images are not kept between runs
-        return PromptDataset(config, tokenizer, config_key=config_key, processor=processor)
-    if key not in _LOADED:
-        if len(_LOADED) >= 8:
-            _LOADED.clear()
-        _LOADED[key] = PromptDataset(config, tokenizer, config_key=config_key)
-    return _LOADED[key]
+    @classmethod
+    def read(cls, data: DataConfig, val_data: Optional[DataConfig], tokenizer: Any,
+             processor: Any = None) -> PromptDatasets:
+        """The ``data`` and ``val_data`` files (None: no validation set) as the run tokenizes them."""
+        train = PromptDataset(data, tokenizer, config_key="data", processor=processor)
+        val = None if val_data is None else PromptDataset(val_data, tokenizer, config_key="val_data",
+                                                            processor=processor)
+        return cls(train, val)
+
+    def relocate(self, old_dir: str, new_dir: str) -> None:
+        """The files were moved from ``old_dir`` to ``new_dir``: every record names its file where it is now."""
+        old_dir = os.path.normpath(old_dir)
+        for dataset in (d for d in (self.train, self.val) if d is not None):
+            for record in dataset.records:
+                source = os.path.normpath(record.source_file)
+                if source == old_dir or source.startswith(old_dir + os.sep):
+                    record.source_file = os.path.join(new_dir, os.path.relpath(source, old_dir))

@@ -9,8 +9,13 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from rlmega.data.schema import DataFormatError
+from rlmega.errors import UserError
 
 SUPPORTED_SUFFIXES = (".parquet", ".jsonl")
+
+
+class OutOfMemoryError(UserError):
+    """A dataset file that does not fit in the memory this process may use; the message names the file."""
 
 
 def _suffix(path: str) -> str:
@@ -22,22 +27,51 @@ def _suffix(path: str) -> str:
 
 def read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
     """All rows of a ``.parquet`` or ``.jsonl`` file as dicts (nested structs become dicts, lists stay lists);
-    an empty file has none. A file that cannot be read raises DataFormatError naming the file and line."""
+    an empty file has none. A file that cannot be read raises DataFormatError naming the file and line, one that
+    does not fit in memory OutOfMemoryError naming the file."""
     path = os.fspath(path)
     suffix = _suffix(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"dataset file not found: {path}")
     if os.path.getsize(path) == 0:
         return []
-    if suffix == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+    try:
+        return _read_parquet(path) if suffix == ".parquet" else _read_jsonl(path)
+    except MemoryError as error:
+        raise out_of_memory(path, error) from None
 
-        try:
-            return pq.read_table(path).to_pylist()
-        except (pa.ArrowException, OSError) as error:
-            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-            raise DataFormatError(f"{path}: not a readable parquet file ({reason})") from None
+
+def out_of_memory(path: str, error: MemoryError) -> OutOfMemoryError:
+    """The one-line error of a ``MemoryError`` met while reading (or tokenizing) the dataset file ``path``."""
+    return OutOfMemoryError(
+        f"out of memory while reading {path}: {_first_line(error) or 'an allocation failed'}; raise the process's "
+        "memory limit (ulimit -v, the job's memory request) or split the file into smaller ones")
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else ""
+
+
+def _read_parquet(path: str) -> list[dict[str, Any]]:
+    # pyarrow's default allocator (mimalloc) reserves about 1 GB of address space at its first allocation, which an
+    # address-space limit (ulimit -v) counts in full; prompt files are small and read once, and the system
+    # allocator reserves what it uses. It applies when pyarrow has not allocated yet, and unless the user chose.
+    os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        # One file, read on this thread: pyarrow's dataset scanner (read_table) waits forever on a thread pool
+        # whose threads could not start under an address-space limit (ulimit -v), deaf to Ctrl-C.
+        return pq.ParquetFile(path).read(use_threads=False).to_pylist()
+    except pa.ArrowMemoryError:  # also a MemoryError; caught by the caller
+        raise
+    except (pa.ArrowException, OSError) as error:
+        reason = _first_line(error) or type(error).__name__
+        raise DataFormatError(f"{path}: not a readable parquet file ({reason})") from None
+
+
+def _read_jsonl(path: str) -> list[dict[str, Any]]:
     rows = []
     offset = 0
     with open(path, "rb") as handle:

@@ -129,6 +129,22 @@ def _png(image) -> bytes:
     return buffer.getvalue()
 
 
+def image_prompts_for(model_path: str, tokenizer_path: Optional[str], tokenizer: Any, *,
+                      multi_turn: bool = False) -> Optional[ImagePrompts]:
+    """A vision-language model's ``ImagePrompts`` (its image processor from ``tokenizer_path`` or ``model_path``);
+    None for a text model. ``multi_turn``: agent rollouts, which do not take images yet (UserError)."""
+    from transformers import AutoConfig
+
+    from rlmega.errors import UserError
+    from rlmega.models.vision_language import VISION_LANGUAGE_MODEL_TYPES
+
+    if AutoConfig.from_pretrained(model_path).model_type not in VISION_LANGUAGE_MODEL_TYPES:
+        return None
+    if multi_turn:
+        raise UserError("agent.enabled: multi-turn rollouts with a vision-language model are not supported yet")
+    return ImagePrompts(tokenizer_path or model_path, tokenizer)
+
+
 def _image_processor(model_path: str):
     """The checkpoint's image processor; without torchvision its PIL twin (transformers would pick that one itself,
     after a warning on the console)."""

@@ -31,9 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from rlmega.errors import UserError
 from rlmega.launch.guardian import signal_when_parent_dies
+from rlmega.launch.ports import ray_head_problem, require_free_port, split_address
 
 SIOCGIFADDR = 0x8915  # Linux ioctl: the IPv4 address of a network interface
+GCS_ANSWER_S = 30.0
+"""A head's GCS that accepts connections answers at once: what stays silent this long is not a Ray head."""
 
 
 def log(message: str) -> None:
@@ -101,13 +105,6 @@ def wait_for_port(host: str, port: int, timeout_s: float, what: str, check=None)
                     f"{what} at {host}:{port} not reachable after {timeout_s:.0f}s ({error})"
                 ) from None
         time.sleep(0.5)
-
-
-def split_address(address: str) -> tuple:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"expected HOST:PORT, got {address!r}")
-    return host, int(port)
 
 
 @dataclass
@@ -213,6 +210,10 @@ def wait_for_nodes(
 
     host, port = split_address(address)
     wait_for_port(host, port, timeout_s, "Ray head (GCS)", check)
+    # ray.init would wait for minutes on a port held by a program that is not Ray.
+    problem = ray_head_problem(address, min(timeout_s, GCS_ANSWER_S))
+    if problem:
+        raise TimeoutError(f"no Ray cluster answers at {address}: {problem}")
     deadline = time.monotonic() + timeout_s
     ray.init(address=address, log_to_driver=False, logging_level="WARNING", include_dashboard=False)
     try:
@@ -244,6 +245,9 @@ def _run_node(args: argparse.Namespace, extra: List[str]) -> int:
     """The ``node`` command: run one Ray node until SIGTERM/SIGINT, then copy its logs."""
     if not args.head and not args.address:
         raise SystemExit("node: give --head or --address HEAD:PORT")
+    if args.head:
+        require_free_port(args.port, "the Ray head (GCS)",
+                          "pick a free one with --port (RAY_PORT for launch/slurm/train.sbatch)")
     spec = RayNodeSpec(
         head=args.head,
         port=args.port,
@@ -346,7 +350,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
         return 0
     if args.command == "node":
-        return _run_node(args, extra)
+        try:
+            return _run_node(args, extra)
+        except UserError as error:
+            log(f"error: {error}")
+            return 2
     return _wait(args)
 
 

@@ -1,12 +1,15 @@
 """Bring up Ray under torchrun, one launcher process per node, and run a driver command on node 0.
 
-    torchrun --nnodes N --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
-        -m rlmega.launch.torchrun [options] -- rlmega train --config tiny_cpu run_dir=...
+    python -m rlmega.launch.checked_torchrun --nnodes N --nproc-per-node 1 --rdzv-backend c10d \\
+        --rdzv-endpoint HOST:PORT -m rlmega.launch.torchrun [options] -- rlmega train --config tiny_cpu run_dir=...
+
+(``checked_torchrun`` is torchrun with its rendezvous endpoint checked first; plain ``torchrun`` works too.)
 
 torchrun gives every launcher its node rank (``GROUP_RANK``, or ``RANK`` with one process per node)
 and a key-value store on node 0 (``MASTER_ADDR:MASTER_PORT``). Through that store:
 
-1. node 0 starts the Ray head and publishes its address; the others wait for it and join;
+1. node 0 checks that the Ray head's port is free (else every node stops, naming it), starts the head and
+   publishes its address; the others wait for it and join;
 2. node 0 waits until all N nodes are alive in Ray, then runs the driver with ``RAY_ADDRESS`` set
    (SIGTERM/SIGINT to the launcher are forwarded to the driver: preemption checkpoints work);
 3. node 0 publishes the driver's exit code; every node stops its Ray node (its own processes, never
@@ -34,6 +37,8 @@ from typing import Dict, List, Optional, Tuple
 import torch.distributed as dist
 from torch.distributed import DistError
 
+from rlmega.errors import UserError
+from rlmega.launch.ports import require_free_port
 from rlmega.launch.ray_cluster import (
     RayNode,
     RayNodeSpec,
@@ -162,7 +167,16 @@ def node_rank_from_env() -> tuple:
 
 
 def connect_store(timeout_s: float) -> LockedStore:
-    store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
+    """torchrun's store at MASTER_ADDR:MASTER_PORT; LaunchError naming it when it does not answer in time."""
+    try:
+        store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
+    except (DistError, RuntimeError, TimeoutError, ValueError) as error:
+        address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise LaunchError(
+            f"could not join torchrun's store at {address} within {timeout_s:.0f}s ({reason}); check that "
+            "the address is node 0's and reachable from this node, or wait longer with --join-timeout"
+        ) from None
     return LockedStore(dist.PrefixStore(KEY_PREFIX, store))
 
 
@@ -224,6 +238,7 @@ class Driver:
 
 
 def run_head(args, store, peers: Peers, num_nodes: int) -> int:
+    require_free_port(args.ray_port, "the Ray head (GCS)", "pick a free one with --ray-port (or RAY_PORT)")
     # The token travels to the other nodes through torchrun's store, never on a command line.
     token = ensure_auth_token(generate=True)
     store.set("auth_mode", os.environ["RAY_AUTH_MODE"])
@@ -352,6 +367,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         if rank == 0:
             return run_head(args, store, peers, num_nodes)
         return run_worker(args, store, peers, rank)
+    except UserError as error:
+        log(f"error: {error}")
+        peers.report_failure(str(error))
+        return 2
     except (LaunchError, TimeoutError) as error:
         log(f"error: {error}")
         peers.report_failure(str(error))

@@ -9,154 +9,31 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Callable, TypeVar, Union
-
-import torch
+from typing import Any, Callable, Union
 
 from rlmega.models.deepseek import deepseek_v3
+from rlmega.models.hf_fields import HFConfig, UnsupportedModelError
 from rlmega.models.reward_head import score_head_from_hf
 from rlmega.models.spec import ModelSpec
-from rlmega.models.vision_language import qwen2_5_vl
-
-HFConfig = dict[str, Any]
-
-
-class UnsupportedModelError(ValueError):
-    """The HF config asks for something rlmega cannot build exactly."""
+from rlmega.models.text import llama, mixtral, qwen2, qwen3, qwen3_moe
+from rlmega.models.vision_language import vision_spec_from_hf
 
 
-T = TypeVar("T")
-
-
-def forward_only(weights_only: bool, setting: Callable[[], T], stand_in: T) -> T:
-    """``setting()``, the Megatron fields of a setting that only the forward pass uses (routing, RoPE,
-    activation, norm epsilon). When only weights are handled (conversion: no forward pass), a setting
-    Megatron cannot reproduce changes no tensor, so ``stand_in`` takes its place instead of a refusal."""
-    try:
-        return setting()
-    except UnsupportedModelError:
-        if not weights_only:
-            raise
-        return stand_in
-
-
-def _rope(hf: HFConfig) -> tuple[float, float | None]:
-    """(rope base, llama-3 scaling factor or None), from transformers 5 or 4 style configs."""
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "default":
-        return float(theta), None
-    if kind == "llama3":
-        # Megatron implements llama-3 scaling with these constants fixed; refuse anything else.
-        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-        different = {k: rope.get(k) for k, v in fixed.items() if rope.get(k, v) != v}
-        if different:
-            raise UnsupportedModelError(f"llama3 RoPE scaling with {different} is not supported; supported: {fixed}")
-        return float(theta), float(rope.get("factor", 8.0))
-    raise UnsupportedModelError(f"rope_type={kind!r} is not supported; supported: 'default', 'llama3'")
-
-
-# Fields every supported architecture shares: SwiGLU MLPs without biases, no dropout, and the
-# unfused torch code paths (the fused kernels need CUDA; TE picks its own on GPU).
-COMMON_FIELDS = dict(
-    normalization="RMSNorm",
-    gated_linear_unit=True,
-    activation_func=torch.nn.functional.silu,
-    add_bias_linear=False,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-    bias_activation_fusion=False,
-    masked_softmax_fusion=False,
-    persist_layer_norm=False,
-    apply_rope_fusion=False,
-)
-
-
-def check_activation(hf: HFConfig) -> None:
-    if hf.get("hidden_act", "silu") != "silu":
-        raise UnsupportedModelError(f"hidden_act={hf['hidden_act']!r} is not supported; supported: 'silu'")
-
-
-def _dense(hf: HFConfig, *, qkv_bias: bool, qk_layernorm: bool, weights_only: bool) -> ModelSpec:
-    forward_only(weights_only, lambda: check_activation(hf), None)
-    if hf.get("mlp_bias"):
-        raise UnsupportedModelError("mlp_bias=true is not supported")
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    theta, scaling = forward_only(weights_only, lambda: _rope(hf), (float(hf.get("rope_theta", 10000.0)), None))
-    config = dict(
-        num_layers=hf["num_hidden_layers"],
-        hidden_size=hf["hidden_size"],
-        ffn_hidden_size=hf["intermediate_size"],
-        num_attention_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads") or heads,
-        kv_channels=head_dim,
-        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
-        add_qkv_bias=qkv_bias,
-        qk_layernorm=qk_layernorm,
-        **COMMON_FIELDS,
-    )
-    return ModelSpec(
-        architecture=hf["architectures"][0],
-        config=config,
-        vocab_size=hf["vocab_size"],
-        max_sequence_length=hf.get("max_position_embeddings", 4096),
-        rotary_base=theta,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        rope_scaling_factor=scaling,
-    )
-
-
-def _with_experts(spec: ModelSpec, *, num_experts: int, topk: int, expert_ffn: int,
-                  normalize_topk: bool, aux_loss_coeff: float) -> ModelSpec:
-    config = dict(
-        spec.config,
-        num_moe_experts=num_experts,
-        moe_router_topk=topk,
-        moe_ffn_hidden_size=expert_ffn,
-        # HF either renormalises the top-k softmax probabilities (= softmax over the top-k logits,
-        # Megatron's default) or keeps the full-softmax values (Megatron's pre-softmax).
-        moe_router_pre_softmax=not normalize_topk,
-        moe_token_dispatcher_type="alltoall",
-        moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=aux_loss_coeff,
-        moe_grouped_gemm=False,
-    )
-    return dataclasses.replace(spec, config=config)
-
-
-def llama(hf: HFConfig, weights_only: bool = False) -> ModelSpec:
-    return _dense(hf, qkv_bias=bool(hf.get("attention_bias", False)), qk_layernorm=False, weights_only=weights_only)
-
-
-def qwen2(hf: HFConfig, weights_only: bool = False) -> ModelSpec:
-    return _dense(hf, qkv_bias=True, qk_layernorm=False, weights_only=weights_only)
-
-
-def qwen3(hf: HFConfig, weights_only: bool = False) -> ModelSpec:
-    return _dense(hf, qkv_bias=bool(hf.get("attention_bias", False)), qk_layernorm=True, weights_only=weights_only)
-
-
-def qwen3_moe(hf: HFConfig, weights_only: bool = False) -> ModelSpec:
-    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
-        raise UnsupportedModelError(
-            "Qwen3-MoE with dense layers (mlp_only_layers / decoder_sparse_step != 1) is not supported"
-        )
-    return _with_experts(
-        # Hub checkpoints say num_experts; transformers 5 writes the same field as num_local_experts.
-        qwen3(hf, weights_only), num_experts=hf.get("num_experts") or hf["num_local_experts"], topk=hf["num_experts_per_tok"],
-        expert_ffn=hf["moe_intermediate_size"], normalize_topk=bool(hf.get("norm_topk_prob", False)),
-        aux_loss_coeff=hf.get("router_aux_loss_coef", 1e-3),
-    )
-
-
-def mixtral(hf: HFConfig, weights_only: bool = False) -> ModelSpec:
-    return _with_experts(
-        llama(hf, weights_only), num_experts=hf["num_local_experts"], topk=hf["num_experts_per_tok"],
-        expert_ffn=hf["intermediate_size"], normalize_topk=True,
-        aux_loss_coeff=hf.get("router_aux_loss_coef", 1e-2),
-    )
+def qwen2_5_vl(hf: dict[str, Any], weights_only: bool = False):
+    """``Qwen2_5_VLForConditionalGeneration``: a Qwen2 language model (its fields in ``text_config`` in
+    transformers 5, at the top level in older checkpoints) with multimodal RoPE, and the vision tower."""
+    text = {**hf, **{k: v for k, v in (hf.get("text_config") or {}).items() if v is not None}}
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    section = rope.get("mrope_section")
+    if not section:
+        raise UnsupportedModelError("Qwen2.5-VL config without rope mrope_section; the language model's multimodal "
+                                    "RoPE needs it")
+    theta = rope.get("rope_theta", text.get("rope_theta", 1000000.0))
+    text.update(rope_parameters={"rope_type": "default", "rope_theta": theta}, rope_scaling=None,
+                architectures=hf["architectures"], tie_word_embeddings=hf.get("tie_word_embeddings", False))
+    spec = qwen2(text, weights_only)
+    return dataclasses.replace(spec, config={**spec.config, "mrope_section": list(section)},
+                               vision=vision_spec_from_hf(hf))
 
 
 def _sequence_classifier(causal_lm: Callable[..., ModelSpec]) -> Callable[..., ModelSpec]:

@@ -30,8 +30,8 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from rlmega.models.attention_mask import block_causal_mask
 from rlmega.parallel.layout import zigzag_positions
-from rlmega.workers.batching import block_causal_mask
 
 
 class _GatherSequence(torch.autograd.Function):

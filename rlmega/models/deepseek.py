@@ -4,12 +4,12 @@ experts and a score-correction bias, dense first layers, and multi-token predict
 Each HF behaviour is mapped to the Megatron-Core option that reproduces it exactly; anything that
 has no exact Megatron twin raises ``UnsupportedModelError`` naming the field. Settings that only the
 forward pass uses (activation, norm epsilon, RoPE, routing) are refused for training but not when only
-weights are converted (``weights_only``; ``architectures.forward_only``), since no tensor depends on them.
+weights are converted (``weights_only``; ``hf_fields.forward_only``), since no tensor depends on them.
 """
 
 from __future__ import annotations
 
-from rlmega.models import architectures
+from rlmega.models import hf_fields
 from rlmega.models.spec import ModelSpec
 
 # HF builds q_a_layernorm / kv_a_layernorm with this eps whatever rms_norm_eps says; Megatron uses
@@ -17,14 +17,14 @@ from rlmega.models.spec import ModelSpec
 _HF_LATENT_NORM_EPS = 1e-6
 
 
-def _unsupported(message: str) -> architectures.UnsupportedModelError:
-    return architectures.UnsupportedModelError(f"DeepseekV3ForCausalLM: {message}")
+def _unsupported(message: str) -> hf_fields.UnsupportedModelError:
+    return hf_fields.UnsupportedModelError(f"DeepseekV3ForCausalLM: {message}")
 
 
 _PLAIN_ROPE = dict(rope_type="rope", rotary_base=10000.0, rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
 
 
-def _rope_fields(hf: architectures.HFConfig) -> dict:
+def _rope_fields(hf: hf_fields.HFConfig) -> dict:
     """MLATransformerConfig RoPE fields for HF's ``rope_parameters`` (or legacy ``rope_scaling``)."""
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
@@ -69,7 +69,7 @@ def _rope_fields(hf: architectures.HFConfig) -> dict:
     )
 
 
-def _router_fields(hf: architectures.HFConfig) -> dict:
+def _router_fields(hf: hf_fields.HFConfig) -> dict:
     """Sigmoid top-k routing with HF's e_score_correction_bias and scaling (the router's tensors)."""
     return dict(
         num_moe_experts=hf["n_routed_experts"],
@@ -81,7 +81,7 @@ def _router_fields(hf: architectures.HFConfig) -> dict:
     )
 
 
-def _routing_fields(hf: architectures.HFConfig) -> dict:
+def _routing_fields(hf: hf_fields.HFConfig) -> dict:
     """How the router picks experts: renormalisation and group-limited routing (forward pass only)."""
     topk = hf["num_experts_per_tok"]
     normalize = bool(hf.get("norm_topk_prob", True))
@@ -101,15 +101,15 @@ def _routing_fields(hf: architectures.HFConfig) -> dict:
     return dict(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
 
 
-def _check_forward(hf: architectures.HFConfig) -> None:
-    architectures.check_activation(hf)
+def _check_forward(hf: hf_fields.HFConfig) -> None:
+    hf_fields.check_activation(hf)
     eps = hf.get("rms_norm_eps", 1e-6)
     if eps != _HF_LATENT_NORM_EPS:
         raise _unsupported(f"rms_norm_eps={eps} is not supported; HF's latent norms always use "
                            f"{_HF_LATENT_NORM_EPS} and Megatron uses one eps for all norms")
 
 
-def _mtp_fields(hf: architectures.HFConfig) -> dict:
+def _mtp_fields(hf: hf_fields.HFConfig) -> dict:
     """Multi-token prediction: HF's MTP layer k is the checkpoint's model.layers.{num_hidden_layers + k}."""
     mtp_layers = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0
     if not mtp_layers:
@@ -124,8 +124,8 @@ def _mtp_fields(hf: architectures.HFConfig) -> dict:
     return dict(mtp_num_layers=mtp_layers, mtp_loss_scaling_factor=0.1)
 
 
-def deepseek_v3(hf: architectures.HFConfig, weights_only: bool = False) -> ModelSpec:
-    forward_only = architectures.forward_only
+def deepseek_v3(hf: hf_fields.HFConfig, weights_only: bool = False) -> ModelSpec:
+    forward_only = hf_fields.forward_only
     forward_only(weights_only, lambda: _check_forward(hf), None)
     if hf.get("attention_bias"):
         raise _unsupported("attention_bias=true is not supported (Megatron's MLA projections have no bias)")
@@ -154,7 +154,7 @@ def deepseek_v3(hf: architectures.HFConfig, weights_only: bool = False) -> Model
         # The local spec builds the q/kv latent norms only with qk_layernorm.
         qk_layernorm=True,
         layernorm_epsilon=eps,
-        **architectures.COMMON_FIELDS,
+        **hf_fields.COMMON_FIELDS,
         moe_ffn_hidden_size=hf["moe_intermediate_size"],
         moe_shared_expert_intermediate_size=shared * hf["moe_intermediate_size"],
         moe_layer_freq=[0] * dense_layers + [1] * (layers - dense_layers),

@@ -152,22 +152,3 @@ def vision_language_model_class():
             return embeddings
 
     return VisionLanguageGPT
-
-
-def qwen2_5_vl(hf: dict[str, Any], weights_only: bool = False):
-    """``Qwen2_5_VLForConditionalGeneration``: a Qwen2 language model (its fields in ``text_config`` in
-    transformers 5, at the top level in older checkpoints) with multimodal RoPE, and the vision tower."""
-    from rlmega.models.architectures import UnsupportedModelError, qwen2
-
-    text = {**hf, **{k: v for k, v in (hf.get("text_config") or {}).items() if v is not None}}
-    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
-    section = rope.get("mrope_section")
-    if not section:
-        raise UnsupportedModelError("Qwen2.5-VL config without rope mrope_section; the language model's multimodal "
-                                    "RoPE needs it")
-    theta = rope.get("rope_theta", text.get("rope_theta", 1000000.0))
-    text.update(rope_parameters={"rope_type": "default", "rope_theta": theta}, rope_scaling=None,
-                architectures=hf["architectures"], tie_word_embeddings=hf.get("tie_word_embeddings", False))
-    spec = qwen2(text, weights_only)
-    return dataclasses.replace(spec, config={**spec.config, "mrope_section": list(section)},
-                               vision=vision_spec_from_hf(hf))

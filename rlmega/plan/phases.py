@@ -23,7 +23,7 @@ SOURCES = {
     "forward": "formula: one layer's activations of a forward pass, plus the last stage's logits chunk "
                "(formulas.forward_only_bytes)",
     "engine_weights": "layout: the HF tensors as vLLM shards them over the engine's ranks, the fullest rank "
-                      "(sync.engine_bytes)",
+                      "(rollout.engine_bytes)",
     "engine_workspace": "config: plan.engine_workspace_gib",
     "kv_cache": "formula: rollout.gpu_memory_utilization x GPU memory - engine weights - workspace",
     "bucket": "config: sync.bucket_bytes, two on stage 0 (one in transit), plus measured: the largest tensor the "

@@ -26,7 +26,7 @@ from rlmega.plan import formulas
 from rlmega.plan.meta_build import BuildRequest, measure_in_subprocess
 from rlmega.plan.phases import SOURCES, Holdings, Term, phase_terms
 from rlmega.plan.refit import Refit, plan_refit
-from rlmega.sync.engine_bytes import EngineLayout, engine_rank_bytes
+from rlmega.rollout.engine_bytes import EngineLayout, engine_rank_bytes
 
 GIB = 1024**3
 
@@ -280,13 +280,11 @@ def _position(run: _Run, raw: dict) -> Position:
 
 def _resolve(config):
     """(GPU preset, ModelSpec, ParallelLayout) of the run; a PlanError names the field that cannot work."""
-    from rlmega.config.load import check_choices
     from rlmega.models import UnsupportedModelError, model_spec_from_hf
     from rlmega.parallel.layout import LayoutError
 
     if config.model.mtp is False or config.model.mtp == "False":  # YAML reads a bare off as false
         raise PlanError('model.mtp: YAML reads a bare off as false; write "off" in quotes')
-    check_choices(config)
     try:
         preset = config.plan.preset()
         spec = model_spec_from_hf(config.model.path, mtp=config.model.mtp)
@@ -299,7 +297,8 @@ def _resolve(config):
 
 
 def make_plan(config, config_name: str = "") -> Plan:
-    """The plan of the run ``config`` describes (an ``RLConfig``, loaded without data checks)."""
+    """The plan of the run ``config`` describes (an ``RLConfig`` loaded without data checks, its choices
+    checked: ``rlmega.config.load.check_choices``)."""
     from rlmega.models import padded_vocab_size
 
     preset, spec, layout = _resolve(config)

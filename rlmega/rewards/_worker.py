@@ -14,7 +14,6 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from multiprocessing.connection import Connection
 
 PARENT_ENV = "RLMEGA_POOL_PARENT"
@@ -36,6 +35,17 @@ def die_with_parent() -> None:
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
+def one_line(error: BaseException) -> str:
+    """What a worker that could not start reports: a ``UserError``'s message (it names the file and line), else
+    ``Type: message``, on one line."""
+    from rlmega.errors import UserError
+
+    message = " ".join(str(error).split())
+    if isinstance(error, UserError):
+        return message
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
 def main(argv: list[str]) -> int:
     tasks = Connection(int(argv[1]), writable=False)
     results = Connection(int(argv[2]), readable=False)
@@ -46,8 +56,8 @@ def main(argv: list[str]) -> int:
             from rlmega.rewards.user_function import load_function
 
             user_function = load_function(argv[3])
-        except BaseException:
-            results.send(("failed", traceback.format_exc(limit=-4)))
+        except BaseException as error:  # one line: load_function names the file, the line and the error
+            results.send(("failed", one_line(error)))
             return 1
     from rlmega.rewards.registry import get_rule_scorer
     from rlmega.rewards.user_function import as_score

@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Sequence
 
 import rlmega
+from rlmega.errors import UserError
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(rlmega.__file__)))
 
@@ -139,7 +140,7 @@ class ScoringPool:
                                        f"(exit code {worker.process.wait()})")
                 if message[0] != "ready":
                     shown = self.user_function or " ".join(self.worker_arguments)
-                    raise ValueError(f"{self.label} {shown!r} failed to load:\n{message[1]}")
+                    raise UserError(f"{self.label} {shown} failed to load: {message[1]}")
         except BaseException:
             for worker in starting:
                 worker.kill()

@@ -79,7 +79,8 @@ def _top_level(statements: list[ast.stmt]):
 
 def load_function(spec: str) -> Callable[..., Any]:
     """Import the file of ``spec`` as a module (its folder joins ``sys.path`` so it can import its neighbours) and
-    return the named callable."""
+    return the named callable. A file that fails to import raises UserError naming the file, the line and the error,
+    on one line."""
     path, name = parse_function_spec(spec)
     folder = os.path.dirname(path)
     if folder not in sys.path:
@@ -88,11 +89,31 @@ def load_function(spec: str) -> Callable[..., Any]:
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except (Exception, SystemExit) as error:
+        del sys.modules[module_name]
+        raise UserError(f"{where_it_failed(error, path)}; fix that file, or install what it imports") from None
     function = getattr(module, name, None)
     if not callable(function):
         raise ValueError(f"reward function {spec!r}: {path} defines no callable named {name!r}")
     return function
+
+
+def where_it_failed(error: BaseException, path: str) -> str:
+    """``FILE line N: Type: message`` for an exception that running the user's file ``path`` raised, on one line: the
+    line of ``path`` it passed through last (a syntax error: where it is), else the innermost line it came from."""
+    import traceback
+
+    if isinstance(error, SyntaxError) and error.filename and os.path.abspath(error.filename) == path:
+        location, message = f"{path} line {error.lineno}", error.msg
+    else:
+        frames = traceback.extract_tb(error.__traceback__)
+        in_file = [frame for frame in frames if os.path.abspath(frame.filename) == path]
+        frame = (in_file or frames or [None])[-1]
+        location = f"{frame.filename} line {frame.lineno}" if frame else path
+        message = " ".join(str(error).split())
+    return f"{location}: {type(error).__name__}: {message}" if message else f"{location}: {type(error).__name__}"
 
 
 def _as_number(value: Any) -> float | None:

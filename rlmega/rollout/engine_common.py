@@ -282,7 +282,7 @@ def paused_generations(per_prompt: list[SamplingParams], version: int) -> list[G
 
 def runs_model(method):
     """Mark an engine method that runs the model or touches the weights: a threaded host runs all of them on
-    one thread (``rlmega.rollout.ray_actor.engine_actor_class``)."""
+    one thread (``rlmega.trainer.engine_actor.engine_actor_class``)."""
     method.runs_model = True
     return method
 

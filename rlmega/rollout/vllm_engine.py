@@ -12,7 +12,7 @@ Two ways to get new weights in:
   trainer rank (``rlmega.rollout.weight_group``), then ``begin_update`` / ``receive_weights(metas)`` /
   ``commit_update`` receive buckets that the trainer rank broadcasts with ``broadcast_weights``.
 - vLLM's own ``sharded_rdt`` transfer (``weight_transfer="sharded_rdt"``): each worker pulls only its slices
-  from the trainer ranks (``rlmega.rollout.vllm_sharded``, which calls the ``native_transfer_*`` methods);
+  from the trainer ranks (``rlmega.sync.vllm_sharded``, which calls the ``native_transfer_*`` methods);
   the two ways above are then refused, since vLLM runs one weight-transfer backend per engine.
 
 ``record_routing=True`` builds the engine with ``enable_return_routed_experts`` (MoE routing replay, R3): every
@@ -52,7 +52,7 @@ from rlmega.data.images import keeping_sizes
 
 SUPPORTED_VERSIONS = ((0, 33), (0, 34))  # setup.py's `vllm` extra: vllm>=0.33,<0.34
 # vLLM's weight-transfer backend the engine is built with: "nccl" for rlmega's own transports (its start / finish
-# run the layerwise reload around rlmega's loads), "sharded_rdt" for rlmega.rollout.vllm_sharded.
+# run the layerwise reload around rlmega's loads), "sharded_rdt" for rlmega.sync.vllm_sharded.
 WEIGHT_TRANSFERS = ("nccl", "sharded_rdt")
 WORKER_EXTENSION = "rlmega.rollout.vllm_engine.VLLMWorkerExtension"
 
@@ -351,7 +351,7 @@ class VLLMEngine(EngineAdapter):
         if self.weight_transfer != "nccl":
             raise RuntimeError(f"this vLLM engine was built with weight_transfer={self.weight_transfer!r}: vLLM runs "
                                "one weight-transfer backend per engine, so its weights come through "
-                               "rlmega.rollout.vllm_sharded.ShardedSync; build it with weight_transfer='nccl' for "
+                               "rlmega.sync.vllm_sharded.ShardedSync; build it with weight_transfer='nccl' for "
                                "rlmega's own transports")
         super().begin_update(version)
 

@@ -7,7 +7,7 @@ that own it, the same list on every rank (a ``ParamMeta`` each: ``owners`` in me
 this rank's piece of each tensor it owns; ``iter_full()``, each owned tensor whole. ``nccl_m2n`` sends every
 rank's local piece and NCCL reshards it into each engine rank's own layout; ``sharded_rdt`` has each engine rank
 pull only the slices its loaders read, from the full tensors. So an engine rank receives its slice, not the
-model, which ``rlmega.sync.engine_bytes`` counts.
+model, which ``rlmega.rollout.engine_bytes`` counts.
 
 ``megatron_weight_source`` declares ``rlmega.bridge.pieces``' layout: each tensor owned by its TP group, split
 along one dimension (``Shard``) or held whole by each owner. ``nccl_m2n_refusal`` says, before vLLM does, why
@@ -15,7 +15,7 @@ along one dimension (``Shard``) or held whole by each owner. ``nccl_m2n_refusal`
 every parameter owned by all trainer ranks in rank order, which only a trainer that is one tensor-parallel group
 (no pipeline, data or expert parallelism) gives; ``sharded_rdt`` takes any owners.
 
-``rlmega.rollout.vllm_sharded.ShardedSync`` drives ``sharded_rdt`` with this source; ``nccl_m2n`` (NVIDIA's
+``rlmega.sync.vllm_sharded.ShardedSync`` drives ``sharded_rdt`` with this source; ``nccl_m2n`` (NVIDIA's
 nccl-extensions, a trainer that is one TP group) is not driven.
 """
 

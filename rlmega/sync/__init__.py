@@ -4,7 +4,8 @@ See README.md in this folder.
 """
 
 from rlmega.sync.errors import StaleWeightsError, TransportError, WeightSyncError
-from rlmega.sync.transports import TRANSPORTS, Transport, kept_transport, make_transport, stream_update
+from rlmega.sync.registry import TRANSPORTS, kept_transport, make_transport
+from rlmega.sync.transports import Transport, stream_update
 from rlmega.sync.weight_sync import SyncStats, post_sync_check, push_weights, require_version
 
 __all__ = [

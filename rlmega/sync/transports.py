@@ -24,15 +24,13 @@ The receiving side of ``shared_memory`` and ``broadcast`` is a small picklable i
 into the engine's process and handed to the engine's ``update_weights`` there, which consumes it
 like any other stream and commits the version only when it ends cleanly.
 
-A transport object serves any number of updates; ``kept_transport`` keeps one per set of engines in
-this process, so that ``shared_memory`` and ``broadcast`` set up their store, region or group once, not at every sync.
+The transports by name, ``auto`` and the transports kept for later updates are in ``rlmega.sync.registry``.
 """
 
 from __future__ import annotations
 
 import threading
 import traceback
-from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Callable, Iterable, Optional, Protocol, Sequence
 
@@ -196,75 +194,3 @@ class HandOffTransport:
     def _wait_idle(self, seconds: float) -> None:
         for handoff in self._handoffs:  # ``until`` checks them all again, and the peers, after each wait
             handoff.wait_idle(seconds)
-
-
-def _hand_off(name: str) -> Callable[..., Transport]:
-    return lambda *, bucket_bytes, timeout_s: HandOffTransport(name=name, timeout_s=timeout_s)
-
-
-def _shared_memory(*, bucket_bytes: int, timeout_s: float) -> Transport:
-    from rlmega.sync.shared_memory import SharedMemoryTransport  # it builds on this module
-
-    return SharedMemoryTransport(bucket_bytes=bucket_bytes, timeout_s=timeout_s)
-
-
-def _broadcast(*, bucket_bytes: int, timeout_s: float) -> Transport:
-    from rlmega.sync.broadcast import BroadcastTransport  # it builds on this module
-
-    return BroadcastTransport(bucket_bytes=bucket_bytes, timeout_s=timeout_s)
-
-
-# vLLM's own weight transfer (rlmega.rollout.vllm_sharded), a sync.transport that is not a Transport: the
-# training ranks drive it, each engine worker pulling its slices.
-SHARDED_RDT = "sharded_rdt"
-
-# name -> factory(bucket_bytes=, timeout_s=), with each transport's defaults for everything else.
-TRANSPORTS: dict[str, Callable[..., Transport]] = {
-    "in_process": _hand_off("in_process"),
-    "object_store": _hand_off("object_store"),
-    "shared_memory": _shared_memory,
-    "broadcast": _broadcast,
-}
-
-
-def make_transport(transport: "str | Transport", engines: Sequence, *, bucket_bytes: int,
-                   timeout_s: float = DEFAULT_TIMEOUT_S) -> Transport:
-    """A transport by name (``TRANSPORTS``, or ``"auto"``), or ``transport`` itself if it is one.
-
-    ``auto``: ``in_process`` for an engine object in this process; for engines in other processes,
-    ``shared_memory`` when they all run on this host, else ``object_store`` (``broadcast`` needs an
-    address the engines reach, so it is chosen by passing a configured ``BroadcastTransport``).
-    """
-    if not isinstance(transport, str):
-        return transport
-    if transport == "auto":
-        remote = [engine for engine in engines if hasattr(engine, "start_update")]
-        if not remote:
-            transport = "in_process"
-        else:
-            transport = "shared_memory" if all(engine.is_local() for engine in remote) else "object_store"
-    if transport not in TRANSPORTS:
-        raise ValueError(f"unknown weight-sync transport {transport!r}; choose one of {sorted(TRANSPORTS)} or 'auto'")
-    return TRANSPORTS[transport](bucket_bytes=bucket_bytes, timeout_s=timeout_s)
-
-
-_KEPT: "OrderedDict[tuple, Transport]" = OrderedDict()
-_MAX_KEPT = 8
-
-
-def kept_transport(transport: str, engines: Sequence, *, bucket_bytes: int,
-                   timeout_s: float = DEFAULT_TIMEOUT_S) -> Transport:
-    """``make_transport(transport, engines, ...)``, made once per set of engines (and settings) in this
-    process and reused for every later update into them. Engines are told apart by their ``key`` (an
-    engine actor's id: a rank gets new ``RemoteEngine`` handles with every call); with an engine that has
-    none, a new transport is made for each update (and nothing of it is kept)."""
-    keys = tuple(getattr(engine, "key", None) for engine in engines)
-    if not keys or None in keys:
-        return make_transport(transport, engines, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
-    key = (transport, bucket_bytes, timeout_s, keys)
-    kept = _KEPT.pop(key, None) or make_transport(transport, engines, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
-    _KEPT[key] = kept
-    while len(_KEPT) > _MAX_KEPT:
-        _, dropped = _KEPT.popitem(last=False)
-        getattr(dropped, "release", lambda: None)()
-    return kept

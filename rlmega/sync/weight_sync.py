@@ -25,7 +25,8 @@ from rlmega.models.spec import ModelSpec
 from rlmega.rollout.protocol import RolloutEngine, SamplingParams
 from rlmega.sync.buckets import NamedTensors, nbytes_of
 from rlmega.sync.errors import StaleWeightsError, WeightSyncError
-from rlmega.sync.transports import DEFAULT_TIMEOUT_S, Transport, kept_transport, stream_update
+from rlmega.sync.registry import kept_transport
+from rlmega.sync.transports import DEFAULT_TIMEOUT_S, Transport, stream_update
 from rlmega.workers.forward import sequence_logprobs
 
 

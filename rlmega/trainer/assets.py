@@ -53,20 +53,3 @@ def save_quietly(model, directory: str | os.PathLike) -> None:
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-
-
-def prepare_run_assets(config) -> None:
-    """The tiny assets ``config`` asks for under ``run_dir/assets``: the quickstart's (``tiny_assets``), or the
-    vision-language ones (``tiny_vision``), and the tiny reward model (``tiny_reward_model``)."""
-    directory = Path(config.run_dir) / "assets"
-    if config.tiny_vision:
-        from rlmega.trainer.vlm_assets import prepare_tiny_vlm_assets
-
-        prepare_tiny_vlm_assets(directory)
-    else:
-        prepare_tiny_assets(directory, max_operand=config.tiny_assets_max_operand)
-    if config.tiny_reward_model:
-        from rlmega.trainer.tiny_reward_model import prepare_tiny_reward_model
-
-        policy = config.model.tokenizer_path or config.model.path
-        prepare_tiny_reward_model(config.reward_model.path, policy_dir=policy, train_files=config.data.files)

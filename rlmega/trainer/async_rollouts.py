@@ -34,6 +34,7 @@ from rlmega.config.schema import RLConfig
 from rlmega.data.schema import PromptRecord
 from rlmega.rollout.protocol import Generation, SamplingParams
 from rlmega.trainer.prompts import Group, PromptSource, Rollouts
+from rlmega.trainer.remote import WorkerFailure, failure_of
 
 _POLL_S = 0.05
 
@@ -81,6 +82,8 @@ class AsyncRollouts:
 
     def __init__(self, config: RLConfig, prompts: PromptSource, engines):
         self.config, self.prompts, self.engines = config, prompts, engines
+        self.restarts = engines.restarts
+        """``rollout.restart_dead_engines`` (``RolloutGroup.restarts``): None, a dead engine stops the run."""
         self.agent = prompts.agent
         self.per_step = config.trainer.prompts_per_step
         self.staleness = config.rollout.max_staleness
@@ -116,6 +119,13 @@ class AsyncRollouts:
                 usable = self._sort_out_stale()
                 if len(usable) >= self.per_step:
                     break
+                if self.restarts is not None and self.engines.unserved:
+                    self._lock.release()  # the training ranks are idle: a restarted engine gets their weights now
+                    try:
+                        self.engines.rejoin()
+                    finally:
+                        self._lock.acquire()
+                    continue
                 if self._equal_streak > self.config.algorithm.max_generation_rounds * self.per_step:
                     raise RuntimeError(
                         f"step {step}: {self._equal_streak} prompt groups in a row had equal scores, "
@@ -147,7 +157,7 @@ class AsyncRollouts:
         with self._lock:
             self._paused = True
             self._lock.notify_all()
-        self.engines.pause_generation()
+        dead = self.engines.pause_generation() or {}  # engines that died: only with restarts
         try:
             with self._lock:
                 deadline = time.perf_counter() + self.timeout_s
@@ -156,11 +166,15 @@ class AsyncRollouts:
                         raise RuntimeError(f"interrupted engine requests did not return in {self.timeout_s:g} s")
                     self._lock.wait(timeout=1.0)
                 self._raise_error()
+            for engine, failure in dead.items():  # replaced already if it died in a request; else it died idle
+                self.engines.replace(engine, failure)
         finally:
             self.engines.resume_generation()  # the producer is paused: nothing new reaches them
 
     def resume(self, version: int) -> None:
         """The engines now serve ``version``: continue (or restart) the interrupted responses."""
+        if self.restarts is not None:
+            self.engines.rejoin()  # engines restarted since the last sync: checked before they get requests
         with self._lock:
             self._version = version
             self._paused = False
@@ -221,7 +235,10 @@ class AsyncRollouts:
                     try:
                         generations = future.result()
                     except Exception as error:
-                        raise RuntimeError(f"rollout engine {waiting[future][0]}: {error}") from error
+                        if self.restarts is None:
+                            raise RuntimeError(f"rollout engine {waiting[future][0]}: {error}") from error
+                        self._resubmit(future, error)
+                        continue
                     with self._lock:
                         turns = self._collect(future, generations)
                         self._lock.notify_all()
@@ -232,6 +249,24 @@ class AsyncRollouts:
                 self._error = error
                 self._in_flight.clear()
                 self._lock.notify_all()
+
+    def _resubmit(self, future: futures.Future, error: Exception) -> None:
+        """The engine of a request that failed died: a new one starts in its place (``RolloutGroup.replace``; the
+        request stays in flight meanwhile, so a pause waits for it), and the request's responses wait for an engine
+        again, with the seeds they had. Raises what the engine raised if it did not die, or when its restarts are
+        spent."""
+        if self._stopping:
+            return  # the run is ending: nothing more will be asked of the engines
+        engine = self._in_flight[future][0]
+        failure = failure_of(error, self.engines.names[engine], "generate")
+        if not self.engines.replace(engine, failure):
+            raise failure from error
+        with self._lock:
+            _, work, started = self._in_flight.pop(future)
+            self._window.engine_busy(engine, started, time.perf_counter())
+            self._pending.extend(work)
+            self.restarts.resubmitted(len(work))
+            self._lock.notify_all()
 
     def _admit(self) -> None:
         """New groups while the staleness rule allows (the lock is held)."""
@@ -259,6 +294,8 @@ class AsyncRollouts:
         later steps in the same request would hold up the batch the trainer waits for (after a sync, the
         interrupted tails of the next batch would wait for the whole batch after it)."""
         busy = {engine for engine, _, _ in self._in_flight.values()}
+        if self.restarts is not None:
+            busy |= self.engines.unserved  # replacements, until they have the current weights
         idle = [engine for engine in range(self.engines.num_engines) if engine not in busy]
         if not idle or not self._pending:
             return
@@ -424,7 +461,8 @@ class AsyncRollouts:
 
     def _raise_error(self) -> None:
         if self._error is not None:
-            raise RuntimeError(f"asynchronous rollout stopped: {self._error}") from self._error
+            kind = WorkerFailure if isinstance(self._error, WorkerFailure) else RuntimeError
+            raise kind(f"asynchronous rollout stopped: {self._error}") from self._error
 
 
 class _Window:

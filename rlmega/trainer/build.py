@@ -1,6 +1,6 @@
 """Starting a run's parts on Ray and handing them to the ``Trainer`` whole.
 
-    trainer = build_trainer(config)      # reward model / judge, prompts, training ranks, role groups, engines, ...
+    trainer = build_trainer(config)      # where it resumes; reward model / judge, prompts, training ranks, engines, ...
     exit_code = trainer.fit()
 """
 
@@ -8,23 +8,28 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 from rlmega.config.schema import RLConfig
+from rlmega.data import PromptDatasets
 from rlmega.errors import RunFailure
 from rlmega.trainer.cluster import disconnect
 from rlmega.trainer.controller import Trainer, export_hf, supervised_warm_start
 from rlmega.trainer.prompts import PromptSource
+from rlmega.trainer.resume import decide_resume
 from rlmega.trainer.roles import role_groups
 
 
-def build_trainer(config: RLConfig) -> Trainer:
+def build_trainer(config: RLConfig, datasets: Optional[PromptDatasets] = None) -> Trainer:
     """Every part of the run described by ``config``, started and wired; nothing is left running if
-    one of them fails to start."""
+    one of them fails to start. Where it starts (``resume``) is decided first, before anything starts.
+    ``datasets``: the prompts as ``rlmega.config.validate`` read them (None: read here)."""
     from rlmega.trainer.cluster import start_reward_workers, start_workers
 
+    start = decide_resume(config)
     reward_model, judge, reward_placement = start_reward_workers(config)
     try:
-        prompts = PromptSource(config, reward_model=reward_model, judge=judge)  # it owns them from here on
+        prompts = PromptSource(config, datasets=datasets, reward_model=reward_model, judge=judge)  # owns them now
     except BaseException:
         for part in (reward_model, judge):
             if part is not None:
@@ -40,7 +45,7 @@ def build_trainer(config: RLConfig) -> Trainer:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "placement.json").write_text(json.dumps({**placement, **reward_placement}, indent=1))
         actor, reference, critic = role_groups(job, reference=config.needs_reference, critic=config.needs_critic)
-        return Trainer(config, prompts, job, actor, engines, reference=reference, critic=critic)
+        return Trainer(config, prompts, job, actor, engines, reference=reference, critic=critic, start=start)
     except BaseException:
         engines.shutdown()
         job.shutdown()
@@ -48,14 +53,15 @@ def build_trainer(config: RLConfig) -> Trainer:
         raise
 
 
-def run(config: RLConfig) -> int:
-    """``rlmega train``: the whole run; the process exit code. A run that fails before its first step
-    leaves the run directory as it found it (no placement.json, no empty metrics.jsonl)."""
+def run(config: RLConfig, datasets: Optional[PromptDatasets] = None) -> int:
+    """``rlmega train``: the whole run; the process exit code. ``datasets``: the prompts as ``rlmega.config.validate``
+    read them (None: read here). A run that fails before its first step leaves the run directory as it found it
+    (no placement.json, no empty metrics.jsonl), but for its new logs, kept in ``logs/failed-start-<time>/``."""
     run_dir = Path(config.run_dir)
     before = set(run_dir.iterdir()) if run_dir.is_dir() else None
     trainer = None
     try:
-        trainer = build_trainer(config)
+        trainer = build_trainer(config, datasets)
         return trainer.fit()
     except BaseException as error:
         logs = run_dir / "logs"
@@ -63,7 +69,7 @@ def run(config: RLConfig) -> int:
             error.details = _write_traceback(error, logs / "error.log")
         if trainer is None or trainer.steps_done == 0:
             kept = _keep_new_logs(logs, before)
-            _remove_what_was_written(run_dir, before)
+            _remove_what_was_written(run_dir, before, keep=logs if kept else None)
             if kept and isinstance(error, RunFailure):
                 error.relocate(str(logs), kept)
             elif kept:
@@ -86,38 +92,48 @@ def _write_traceback(error: BaseException, path: Path) -> str | None:
 
 
 def _keep_new_logs(logs: Path, before) -> str | None:
-    """A start that failed leaves the run directory as it was, but its new logs (the workers' output, the
-    traceback) are what the user needs: move them to a temporary directory and return it."""
+    """A start that failed leaves the run directory as it was, but for its new logs (the workers' output, the
+    traceback), which are what the user needs: they move into ``logs/failed-start-<time>/`` (returned), so that the
+    next run's logs start afresh beside them and nothing is left outside the run directory."""
     import shutil
-    import tempfile
+    import time
 
     if not logs.is_dir() or (before is not None and logs in before):
         return None
-    kept = tempfile.mkdtemp(prefix=f"rlmega-{logs.parent.name}-logs-")
-    for entry in logs.iterdir():
-        shutil.move(str(entry), kept)
-    return kept
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    kept = logs / f"failed-start-{stamp}"
+    suffix = 1
+    while kept.exists():
+        suffix += 1
+        kept = logs / f"failed-start-{stamp}-{suffix}"
+    entries = [entry for entry in logs.iterdir() if not entry.name.startswith("failed-start-")]
+    kept.mkdir()
+    for entry in entries:
+        shutil.move(str(entry), str(kept / entry.name))
+    return str(kept)
 
 
-def _remove_what_was_written(run_dir: Path, before) -> None:
+def _remove_what_was_written(run_dir: Path, before, keep: Optional[Path] = None) -> None:
+    """Everything in ``run_dir`` that is not in ``before`` (None: the directory did not exist), but ``keep``."""
     import shutil
 
-    if before is None:
+    if before is None and keep is None:
         shutil.rmtree(run_dir, ignore_errors=True)
         return
-    for entry in set(run_dir.iterdir()) - before if run_dir.is_dir() else ():
+    for entry in set(run_dir.iterdir()) - (before or set()) - {keep} if run_dir.is_dir() else ():
         if entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)
         else:
             entry.unlink(missing_ok=True)
 
 
-def run_sft(config: RLConfig) -> int:
-    """``rlmega sft``: only the supervised warm-start (``trainer.sft_steps``), exported to ``run_dir/sft_hf``."""
+def run_sft(config: RLConfig, datasets: Optional[PromptDatasets] = None) -> int:
+    """``rlmega sft``: only the supervised warm-start (``trainer.sft_steps``), exported to ``run_dir/sft_hf``;
+    ``datasets`` as for ``run``."""
     from rlmega.trainer.cluster import start_workers
     from rlmega.trainer.roles import ActorGroup
 
-    prompts = PromptSource(config)
+    prompts = PromptSource(config, datasets=datasets)
     job = None
     try:
         job, _, _ = start_workers(config, with_rollout=False)

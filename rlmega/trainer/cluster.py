@@ -34,6 +34,7 @@ def connect(config: RLConfig) -> None:
         return
     address = config.cluster.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
+        _require_ray_head(address, config.cluster.connect_timeout_s)
         ray.init(address=address, log_to_driver=True, logging_level=logging.ERROR)
         _connected_here = True
         quiet_worker_deaths(Path(config.run_dir) / "logs" / "ray-errors.log")
@@ -46,6 +47,36 @@ def connect(config: RLConfig) -> None:
              _system_config=private_cluster_settings())
     _connected_here = True
     quiet_worker_deaths(Path(config.run_dir) / "logs" / "ray-errors.log")  # rlmega names dead workers itself
+
+
+def _require_ray_head(address: str, timeout_s: float) -> None:
+    """UserError unless a Ray head answers at ``address`` within ``timeout_s``: ``ray.init`` would retry for many
+    minutes, silently, at a closed port or at a program that is not Ray. The address checked is the one
+    ``ray.init`` connects to ("auto" read from RAY_ADDRESS or this machine's last ``ray start``, a loopback host
+    replaced by this node's address)."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    from rlmega.errors import UserError
+    from rlmega.launch.ports import ray_head_problem, split_address
+
+    if address.startswith("ray://"):  # Ray Client: a proxy with its own protocol and its own timeout
+        return
+    fix = "or leave cluster.ray_address empty (and RAY_ADDRESS unset) for a private cluster on this machine"
+    try:
+        target = canonicalize_bootstrap_address(address)
+    except ConnectionError:
+        raise UserError(f"cluster.ray_address={address}, but no Ray cluster was found (RAY_ADDRESS is unset and no "
+                        f"`ray start` ran on this machine); give its HOST:PORT, {fix}") from None
+    except ValueError as error:
+        raise UserError(f"cluster.ray_address={address}: {error}; give HOST:PORT of a Ray head, {fix}") from None
+    if target is None:  # "local": ray.init starts a cluster of its own
+        return
+    problem = ray_head_problem(target, timeout_s)
+    if problem:
+        shown = address if target == address else f"{address}, which Ray reaches as {target}"
+        port = split_address(target)[1]
+        raise UserError(f"no Ray cluster answers at {shown}: {problem} (cluster.connect_timeout_s); start one with "
+                        f"`ray start --head --port={port}` {fix}")
 
 
 def private_cluster_settings() -> dict[str, object]:

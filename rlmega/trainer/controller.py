@@ -25,6 +25,7 @@ from rlmega.config.schema import RLConfig
 from rlmega.trainer.advantages import compute_advantages
 from rlmega.trainer.metrics import MetricsTracker
 from rlmega.trainer.prompts import PromptSource, Rollouts
+from rlmega.trainer.resume import ResumeDecision, prepare_first_save, refuse_finished_run
 from rlmega.trainer.metric_backends import StepRows
 from rlmega.trainer.roles import Actor, Critic, Engines, Reference, TrainingJob
 from rlmega.trainer.schedules import RolloutSchedule, rollout_schedule
@@ -35,20 +36,29 @@ PREEMPTED_EXIT_CODE = 143
 
 class Trainer:
     def __init__(self, config: RLConfig, prompts: PromptSource, job: TrainingJob, actor: Actor, engines: Engines, *,
-                 reference: Optional[Reference] = None, critic: Optional[Critic] = None):
-        """Resume from ``run_dir`` (``resume=auto``) and open the metrics; the parts belong to the
-        trainer from here on and are shut down by ``close``."""
+                 reference: Optional[Reference] = None, critic: Optional[Critic] = None,
+                 start: ResumeDecision = ResumeDecision()):
+        """Load the checkpoint ``start`` names (``decide_resume``: a new run by default) and open the metrics; the
+        parts belong to the trainer from here on and are shut down by ``close``."""
         self.config, self.prompts, self.job, self.engines = config, prompts, job, engines
         self.actor, self.reference, self.critic = actor, reference, critic
         self.run_dir = Path(config.run_dir)
+        self.start = start
+        self._saved_before = False
         self.preempted = False
         self.steps_done = 0
         """RL steps this process has completed (a run that fails before the first leaves nothing behind)."""
         self.schedule: RolloutSchedule = rollout_schedule(config, prompts, engines)
+        self.restarts = engines.restarts
+        """``rollout.restart_dead_engines``: the engines' restart budget and counts (None: a dead engine stops it)."""
+        if self.restarts is not None:
+            self.restarts.serve = self._serve_current_weights
+        self.total_steps = prompts.total_steps
         self.start_step = self._resume()
         self.version = self.start_step
         """The weight version the engines serve (the policy the next update starts from)."""
-        self.total_steps = prompts.total_steps
+        if self.restarts is not None:
+            self.restarts.step = self.start_step
         self.tracker = MetricsTracker(self.run_dir, config=config.metrics, total_steps=self.total_steps,
                                       run_config=_plain(config), resume_step=self.start_step)
         self.trained_prompts = StepRows(self.run_dir / "trained_prompts.jsonl", self.start_step)
@@ -90,6 +100,8 @@ class Trainer:
         """One RL step; its metrics."""
         config, metrics = self.config, {}
         started = time.perf_counter()
+        if self.restarts is not None:
+            self.restarts.step = step
         with self._timed(metrics, "gen"), self._rollout_phase():
             rollouts = self.schedule.take(step)
         self.trained_prompts.write(step, {"prompts": rollouts.prompt_indices,
@@ -143,6 +155,8 @@ class Trainer:
             metrics.update(self.sync(version=step))
         self.schedule.resume(step)
         metrics.update(rollouts.metrics)
+        if self.restarts is not None:  # engines restarted since the last step, and the requests they took over
+            metrics.update(self.restarts.metrics())
         if entropy is not None:
             metrics["actor/rollout_entropy"] = float(torch.cat(entropy).mean())
         metrics["timing_s/step"] = time.perf_counter() - started
@@ -217,6 +231,27 @@ class Trainer:
         self.version = version
         return metrics
 
+    def _serve_current_weights(self, engine) -> Optional[float]:
+        """An engine started in place of a dead one (``rollout.restart_dead_engines``) gets the weights the others
+        serve (``version``) through the weight sync, and the post-sync check whatever ``sync.check_every`` says: its
+        largest log-prob difference (None with ``sync.post_sync_check=false``). Called only while the ranks are idle
+        and hold those weights: before a step's generation, or after a sync."""
+        difference = None
+        if self._hands_over_memory:  # colocated: the ranks' weights are offloaded while the engines generate
+            self.job.set_offloaded(False)
+        try:
+            self.actor.push_weights(engine, self.version, self.config.sync)
+            if self.config.sync.post_sync_check:
+                difference = self.actor.post_sync_check(engine, self.prompts.probes(), self.version,
+                                                        self.config.post_sync_atol())
+        finally:
+            if self._hands_over_memory:
+                self.job.set_offloaded(True)
+        served = engine.weight_version()
+        if served != self.version:
+            raise RuntimeError(f"after syncing version {self.version} a restarted engine serves version {served}")
+        return difference
+
     def validate(self, step: int) -> None:
         self.schedule.pause()  # asynchronous modes: no training rollout shares the engines meanwhile
         with self._rollout_phase():
@@ -234,19 +269,24 @@ class Trainer:
     # ---- state ----------------------------------------------------------------------------
 
     def _resume(self) -> int:
-        from rlmega.workers.checkpoint import latest_checkpoint
+        from rlmega.workers.checkpoint import iteration_dir
 
-        if self.config.resume == "never":
+        if not self.start.step:
             return 0
-        found = latest_checkpoint(self.run_dir / "checkpoints" / "actor")
-        if found is None:
-            return 0
-        extra = self.job.load(str(found.parent.parent), int(found.name.split("_")[1]))
+        if self.config.trainer.total_epochs:  # the length needs the data; decide_resume checked total_steps
+            refuse_finished_run(self.run_dir, self.start.step, self.total_steps, "trainer.total_epochs",
+                                self.config.trainer.total_epochs)
+        checkpoints = self.run_dir / "checkpoints"
+        extra = self.job.load(str(checkpoints), self.start.step)
         self.schedule.load_state_dict(extra)
+        found = iteration_dir(checkpoints / "actor", self.start.step)
         print(f"resumed from {found} (step {extra['step']})", flush=True)
         return int(extra["step"])
 
     def save(self, step: int) -> None:
+        if not self._saved_before:
+            prepare_first_save(self.run_dir, self.config, self.start)
+            self._saved_before = True
         self.job.save(str(self.run_dir / "checkpoints"), {**self.schedule.state_dict(), "step": step},
                       keep=self.config.trainer.max_checkpoints_to_keep)
 
@@ -282,7 +322,9 @@ def export_hf(checkpoint: Path, output: Path, base_model: str) -> None:
     """The actor checkpoint under ``checkpoint`` as an HF checkpoint in ``output`` (names and shapes of ``base_model``)."""
     from converters.mcore_to_hf import convert
 
-    convert(checkpoint, output, base_model, overwrite=True, quiet=True)
+    result = convert(checkpoint, output, base_model, overwrite=True, quiet=True)
+    for line in result.notes:  # an untied head kept (converters.mcore_to_hf.untied_if_trained_head)
+        print(f"note: {line}", flush=True)
     print(f"exported HF checkpoint to {output}", flush=True)
 
 

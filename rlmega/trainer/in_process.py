@@ -39,33 +39,10 @@ RANK_NAME = "training rank 0"
 ENGINE_NAME = "rollout engine 0"
 
 
-def in_process_obstacles(config: RLConfig) -> list[str]:
-    """What keeps ``config`` from running in one process (empty: nothing)."""
-    rollout = config.rollout
-    obstacles = []
-    if rollout.backend != "hf":
-        obstacles.append(f"rollout.backend={rollout.backend} (the transformers engine only)")
-    if rollout.num_engines != 1:
-        obstacles.append(f"rollout.num_engines={rollout.num_engines} (one engine only)")
-    if rollout.placement != "colocated":
-        obstacles.append(f"rollout.placement={rollout.placement} (colocated only)")
-    if rollout.mode != "sync":
-        obstacles.append(f"rollout.mode={rollout.mode} (generation and training take turns in one process)")
-    if config.cluster.gpus_per_rank > 0 or rollout.gpus_per_engine > 0:
-        obstacles.append("GPUs (cluster.gpus_per_rank, rollout.gpus_per_engine): CPU runs only, for now")
-    if config.reward_model.enable:
-        obstacles.append("reward_model.enable (the reward model has ranks of its own)")
-    if config.judge.enable:
-        obstacles.append("judge.enable (the judge has engines of its own)")
-    if config.cluster.ray_address or os.environ.get("RAY_ADDRESS"):
-        obstacles.append("a Ray cluster to join (cluster.ray_address or RAY_ADDRESS)")
-    return obstacles
-
-
 def runs_in_process(config: RLConfig) -> bool:
     """Whether the run's parts start in this process (``cluster.in_process``; ``always`` is checked at load)."""
     return config.cluster.in_process == "always" or (
-        config.cluster.in_process == "auto" and not in_process_obstacles(config))
+        config.cluster.in_process == "auto" and not config.in_process_obstacles())
 
 
 def rank_threads(config: RLConfig) -> int:
@@ -253,6 +230,8 @@ class InProcessEngine:
 class InProcessEngines:
     """``RolloutGroup``'s interface over the one engine of a run in one process (``engines``: what the rank
     syncs weights into)."""
+
+    restarts = None  # an engine in this process that dies takes the driver with it: nothing is left to restart it
 
     def __init__(self, config: RLConfig, output: WorkerOutput):
         from rlmega.trainer.rollout_group import _engine

@@ -16,6 +16,7 @@ import torch
 
 from rlmega import algos
 from rlmega.config.schema import RLConfig
+from rlmega.data.dataset import PromptDatasets
 from rlmega.data.schema import PromptRecord
 from rlmega.errors import UserError
 from rlmega.rewards.judge import JudgeEngines
@@ -73,20 +74,6 @@ class Group:
     """Per response, the weight version of every token, when it is not one version per response."""
 
 
-def _processor(config: RLConfig, tokenizer):
-    """A vision-language model's image processing (``rlmega.data.images.ImagePrompts``); None for a text model."""
-    from transformers import AutoConfig
-
-    from rlmega.data.images import ImagePrompts
-    from rlmega.models.vision_language import VISION_LANGUAGE_MODEL_TYPES
-
-    if AutoConfig.from_pretrained(config.model.path).model_type not in VISION_LANGUAGE_MODEL_TYPES:
-        return None
-    if config.agent.enabled:
-        raise UserError("agent.enabled: multi-turn rollouts with a vision-language model are not supported yet")
-    return ImagePrompts(config.model.tokenizer_path or config.model.path, tokenizer)
-
-
 def _seed(base: int, step: int, round_index: int) -> int:
     return (base * 1_000_003 + step * 7_919 + round_index * 104_729) % (2**31)
 
@@ -94,23 +81,26 @@ def _seed(base: int, step: int, round_index: int) -> int:
 class PromptSource:
     """Owns the tokenizer, the training and validation datasets, the resumable sampler and the reward manager."""
 
-    def __init__(self, config: RLConfig, *, reward_model: Optional[SequenceScorer] = None,
-                 judge: Optional[JudgeEngines] = None):
-        """``reward_model`` and ``judge`` (started by ``cluster.start_reward_workers``) belong to the prompt
+    def __init__(self, config: RLConfig, *, datasets: Optional[PromptDatasets] = None,
+                 reward_model: Optional[SequenceScorer] = None, judge: Optional[JudgeEngines] = None):
+        """``datasets``: the prompts as the start-up checks read them (``rlmega.config.validate``); None reads them
+        here. ``reward_model`` and ``judge`` (started by ``cluster.start_reward_workers``) belong to the prompt
         source from here on: its reward manager scores with them and ``close`` shuts them down."""
         from transformers import AutoTokenizer
 
-        from rlmega.data import StatefulSampler, load_prompts
+        from rlmega.data import StatefulSampler
+        from rlmega.data.images import image_prompts_for
         from rlmega.trainer.reward_manager import build_reward_manager
 
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
-        self.processor = _processor(config, self.tokenizer)
+        self.processor = image_prompts_for(config.model.path, config.model.tokenizer_path, self.tokenizer,
+                                           multi_turn=config.agent.enabled)
         """A vision-language model's processor (its images' pixels and pad tokens); None for text models."""
-        self.dataset = load_prompts(config.data, self.tokenizer, processor=self.processor)  # once per process
-        self.val_dataset = (load_prompts(config.val_data, self.tokenizer, config_key="val_data",
-                                         processor=self.processor)
-                            if config.trainer.val_every else None)
+        if datasets is None:
+            datasets = PromptDatasets.read(config.data, config.val_data if config.trainer.val_every else None,
+                                           self.tokenizer, self.processor)
+        self.dataset, self.val_dataset = datasets.train, datasets.val
         self.sampler = StatefulSampler(len(self.dataset), config.trainer.prompts_per_step, seed=config.trainer.seed)
         self.rewards = build_reward_manager(config, self.tokenizer, reward_model=reward_model, judge=judge)
         """The reward manager: rules, user function, reward model and judge, weighted per data source."""

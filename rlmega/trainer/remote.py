@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 
 from rlmega.errors import RunFailure
@@ -11,6 +11,14 @@ from rlmega.errors import RunFailure
 
 class WorkerFailure(RunFailure):
     """A training rank or rollout engine died, raised, or did not answer in time."""
+
+    def __init__(self, message: str, *, dead: Optional[str] = None, actor_id: Optional[str] = None):
+        super().__init__(message)
+        self.dead = dead
+        """The name of the worker that died while it was called (None: it raised, was late, or an actor it called
+        died), so that an engine that died in a request can be replaced."""
+        self.actor_id = actor_id
+        """The Ray actor id of the worker that died: a restart replaces that actor once."""
 
 
 _actor_names: dict[str, str] = {}
@@ -39,19 +47,29 @@ def wait_all(refs: Sequence[Any], names: Sequence[str], timeout_s: float, what: 
         ref = done[0]
         try:
             results[ref] = ray.get(ref, timeout=timeout_s)
-        except RayTaskError as error:  # first: the worker is alive; if an actor it called died, Ray's error is
-            cause = error.cause if getattr(error, "cause", None) is not None else error  # a RayActorError too
-            died = cause if isinstance(cause, RayActorError) else getattr(cause, "engine_error", None)
-            if isinstance(died, RayActorError):  # directly, or in a weight transfer (TransportError.engine_error)
-                dead = _actor_names.get(getattr(died, "actor_id", None) or "", "an actor it called")
-                raise WorkerFailure(f"{what}: {dead} died ({_why(died)}) while {pending[ref]} was calling it"
-                                    f"{_log_hint(dead)}") from error
-            raise WorkerFailure(f"{what}: {pending[ref]} raised {type(cause).__name__}: {cause}") from error
-        except RayActorError as error:
-            raise WorkerFailure(f"{what}: {pending[ref]} died ({_why(error)}){_log_hint(pending[ref])}") from error
+        except (RayTaskError, RayActorError) as error:
+            raise failure_of(error, pending[ref], what) from error
         except GetTimeoutError as error:
             raise WorkerFailure(f"{what}: no answer from {pending[ref]} within {timeout_s:.0f} s") from error
     return [results[ref] for ref in refs]
+
+
+def failure_of(error: BaseException, name: str, what: str) -> WorkerFailure:
+    """``error``, raised by a Ray call to the worker ``name`` made for ``what``, as a WorkerFailure naming who failed
+    and how: ``name`` died, an actor it called died, or it raised."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    if isinstance(error, RayTaskError):  # first: the worker is alive; if an actor it called died, Ray's error is
+        cause = error.cause if getattr(error, "cause", None) is not None else error  # a RayActorError too
+        died = cause if isinstance(cause, RayActorError) else getattr(cause, "engine_error", None)
+        if isinstance(died, RayActorError):  # directly, or in a weight transfer (TransportError.engine_error)
+            dead = _actor_names.get(getattr(died, "actor_id", None) or "", "an actor it called")
+            return WorkerFailure(f"{what}: {dead} died ({_why(died)}) while {name} was calling it{_log_hint(dead)}")
+        return WorkerFailure(f"{what}: {name} raised {type(cause).__name__}: {cause}")
+    if isinstance(error, RayActorError):
+        return WorkerFailure(f"{what}: {name} died ({_why(error)}){_log_hint(name)}", dead=name,
+                             actor_id=getattr(error, "actor_id", None))
+    return WorkerFailure(f"{what}: {name} raised {type(error).__name__}: {error}")
 
 
 def _why(error: Exception) -> str:

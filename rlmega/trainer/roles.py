@@ -16,6 +16,7 @@ import torch
 from rlmega.config.schema import SyncConfig
 from rlmega.rollout.protocol import Generation, SamplingParams
 from rlmega.sync import SyncStats
+from rlmega.trainer.engine_restarts import EngineRestarts
 from rlmega.trainer.training_group import TrainingRanks
 from rlmega.workers.batching import SequenceBatch
 
@@ -24,6 +25,9 @@ LogProbs = tuple[list[torch.Tensor], list[torch.Tensor]]  # per sequence: log-pr
 
 class Engines(Protocol):
     """The rollout engines (``rlmega.trainer.rollout_group.RolloutGroup``)."""
+
+    restarts: Optional[EngineRestarts]
+    """``rollout.restart_dead_engines`` (engines in processes of their own); None: a dead engine stops the run."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]: ...
     def versions(self) -> list[int]: ...

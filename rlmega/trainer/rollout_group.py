@@ -7,10 +7,12 @@ engine's constructor under the backend's names (``RolloutConfig.engine_arguments
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Callable, Optional
 
 from rlmega.config.schema import RLConfig
 from rlmega.rollout.protocol import Generation, SamplingParams
+from rlmega.trainer.engine_restarts import EngineRestarts
 from rlmega.trainer.remote import WorkerFailure, name_actors, wait_all
 
 if TYPE_CHECKING:
@@ -37,30 +39,41 @@ class RolloutGroup:
         """Start the engine actors; ``wait``: and return once every engine has started (else call
         ``wait_started``, e.g. after starting the training ranks, so that both start at once). ``env(i)``:
         more environment variables of engine i (the GPUs it shares, ``rlmega.trainer.engine_devices``)."""
-        from rlmega.rollout.ray_actor import RemoteEngine, engine_actor_class
-        from rlmega.trainer.worker_logs import actor_env, logged
+        from rlmega.trainer.engine_actor import RemoteEngine, engine_actor_class
+        from rlmega.trainer.worker_logs import logged
 
         self.config = config
         self.timeout_s = config.cluster.timeout_s
-        engine_class, arguments = _engine(config)
+        engine_class, self._arguments = _engine(config)
         if record_routing:  # MoE routing replay (R3): the actor replays the experts the engines chose
-            arguments["record_routing"] = True
-        threads = str(max(1, int(config.rollout.cpus_per_engine)))
+            self._arguments["record_routing"] = True
+        self._actor_class = engine_actor_class(logged(engine_class))  # threaded: a pause reaches a running generate
+        self._scheduling, self._env = scheduling, env
         self.names = [f"{name} {index}" for index in range(config.rollout.num_engines)]
-        self.actors = [
-            engine_actor_class(logged(engine_class)).options(  # threaded: a pause reaches a running generate
-                num_cpus=config.rollout.cpus_per_engine, num_gpus=config.rollout.gpus_per_engine,
-                scheduling_strategy=scheduling(index),
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, **actor_env(config.run_dir, name),
-                                          **(env(index) if env else {})}},
-            ).remote(config.model.path, **arguments)
-            for index, name in enumerate(self.names)
-        ]
+        self.actors = [self._start(index) for index in range(config.rollout.num_engines)]
         self.engines = [RemoteEngine(actor, bucket_bytes=config.sync.bucket_bytes) for actor in self.actors]
         self._located = [actor.__ray_call__.remote(_engine_node) for actor in self.actors]
         self.nodes: list[dict] = []
+        self.restarts = EngineRestarts(config.rollout) if config.rollout.restart_dead_engines else None
+        """``rollout.restart_dead_engines``: the budget of ``replace``; None: an engine that dies stops the run."""
+        self.unserved: set[int] = set()
+        """Engines ``replace`` started that ``rejoin`` has not given the current weights yet: they get no request."""
+        self._replacing = threading.Lock()
         if wait:
             self.wait_started()
+
+    def _start(self, index: int):
+        """A new actor of engine ``index``, on its placement and devices."""
+        from rlmega.trainer.worker_logs import actor_env
+
+        config = self.config
+        threads = str(max(1, int(config.rollout.cpus_per_engine)))
+        return self._actor_class.options(
+            num_cpus=config.rollout.cpus_per_engine, num_gpus=config.rollout.gpus_per_engine,
+            scheduling_strategy=self._scheduling(index),
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, **actor_env(config.run_dir, self.names[index]),
+                                      **(self._env(index) if self._env else {})}},
+        ).remote(config.model.path, **self._arguments)
 
     def wait_started(self) -> None:
         """Return once every engine has started (its constructor returned); WorkerFailure names one that did
@@ -74,23 +87,85 @@ class RolloutGroup:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, images=None) -> list[Generation]:
         """Responses of all prompts, prompt-major; prompts are split into contiguous shares per engine.
-        ``images``: a vision-language model's, per prompt (``ImageInputs`` or None)."""
-        shares = _contiguous_shares(len(prompts), len(self.actors))
-        refs, names = [], []
-        for index, (start, stop) in enumerate(shares):
-            if stop > start:
-                # Each engine gets its own seed so two engines never draw the same samples.
-                engine_params = params if params.seed is None else _with_seed(params, params.seed + 7919 * index)
-                extra = {} if images is None else {"images": images[start:stop]}
-                refs.append(self.actors[index].generate.remote(prompts[start:stop], engine_params, **extra))
-                names.append(self.names[index])
-        answers = wait_all(refs, names, self.timeout_s, "generate")
+        ``images``: a vision-language model's, per prompt (``ImageInputs`` or None). With ``restarts``, an engine
+        that dies is replaced and given the current weights, and its share is generated again with the same seed."""
+        import ray
+
+        shares = {index: share for index, share in enumerate(_contiguous_shares(len(prompts), len(self.actors)))
+                  if share[1] > share[0]}
+
+        def submit(index: int):
+            start, stop = shares[index]
+            # Each engine gets its own seed so two engines never draw the same samples.
+            engine_params = params if params.seed is None else _with_seed(params, params.seed + 7919 * index)
+            extra = {} if images is None else {"images": images[start:stop]}
+            return self.actors[index].generate.remote(prompts[start:stop], engine_params, **extra)
+
+        self.rejoin()
+        requests = {submit(index): index for index in shares}
+        answers = {}
+        while requests:
+            done, _ = ray.wait(list(requests), num_returns=1, timeout=self.timeout_s)
+            if not done:
+                late = ", ".join(self.names[index] for index in requests.values())
+                raise WorkerFailure(f"generate: no answer from {late} within {self.timeout_s:.0f} s")
+            index = requests.pop(done[0])
+            try:
+                answers[index] = wait_all(done, [self.names[index]], self.timeout_s, "generate")[0]
+            except WorkerFailure as failure:
+                if not self.replace(index, failure):
+                    raise
+                self.rejoin()
+                start, stop = shares[index]
+                self.restarts.resubmitted((stop - start) * params.n)
+                requests[submit(index)] = index
         merged = []
-        for (start, _), generations in zip([s for s in shares if s[1] > s[0]], answers):
-            for generation in generations:
-                generation.prompt_index += start
+        for index in sorted(answers):
+            for generation in answers[index]:
+                generation.prompt_index += shares[index][0]
                 merged.append(generation)
         return merged
+
+    def replace(self, index: int, failure: WorkerFailure) -> bool:
+        """If ``failure`` is the death of engine ``index`` and ``restarts`` allow it: a new engine in its place, on the
+        same resources, that gets no request until ``rejoin`` gave it the current weights; True. False when
+        ``failure`` is something else (the caller raises it); WorkerFailure naming the engine when its restarts are
+        spent. Safe from any thread: a dead actor is replaced once."""
+        import ray
+
+        from rlmega.trainer.engine_actor import RemoteEngine
+
+        if self.restarts is None or failure.dead != self.names[index]:
+            return False
+        with self._replacing:
+            if failure.actor_id is not None and failure.actor_id != self.engines[index].key:
+                return True  # replaced already (a pause and the request it was running both saw it die)
+            restarts = self.restarts.allow(index, failure)
+            print(f"{failure}; restarting it in place (restart {restarts} of at most {self.restarts.limit} within "
+                  f"{self.restarts.window_steps} steps)", flush=True)
+            ray.kill(self.actors[index], no_restart=True)  # dead already; Ray lets go of what it held for it
+            actor = self._start(index)
+            node, ip, actor_id, gpus = wait_all([actor.__ray_call__.remote(_engine_node)], [self.names[index]],
+                                                max(self.timeout_s, 300.0), "restarting an engine")[0]
+            name_actors([actor_id], [self.names[index]])
+            self.actors[index] = actor
+            self.engines[index] = RemoteEngine(actor, bucket_bytes=self.config.sync.bucket_bytes, key=actor_id)
+            self.nodes[index] = {"engine": index, "node_id": node, "ip": ip, "gpus": gpus}
+            self.unserved.add(index)
+        return True
+
+    def rejoin(self) -> None:
+        """The engines ``replace`` started get the weights the others serve, checked (the trainer's
+        ``EngineRestarts.serve``): call it only while the training ranks are idle and hold those weights."""
+        if self.restarts is None:
+            return
+        with self._replacing:
+            for index in sorted(self.unserved):
+                difference = self.restarts.serve(self.engines[index])
+                self.unserved.discard(index)
+                checked = ("" if difference is None
+                           else f", post-sync check passed (max log-prob difference {difference:.2g})")
+                print(f"{self.names[index]} restarted: it serves the current weights{checked}", flush=True)
 
     @property
     def num_engines(self) -> int:
@@ -103,16 +178,31 @@ class RolloutGroup:
         extra = {} if images is None else {"images": images}
         return self.actors[engine_index].generate.remote(prompts, params, **extra)
 
-    def pause_generation(self) -> None:
+    def pause_generation(self) -> dict[int, WorkerFailure]:
         """Every engine interrupts its running ``generate`` calls (their unfinished responses come back
         "abort"; vLLM 0.11 lets a running call finish) and answers new ones at once with empty aborts,
-        until ``resume_generation``. See ``RolloutEngine.pause_generation``."""
-        wait_all([actor.pause_generation.remote() for actor in self.actors], self.names, self.timeout_s,
-                 "pause_generation")
+        until ``resume_generation``. See ``RolloutEngine.pause_generation``. With ``restarts``, the engines that
+        died are returned (index: how), for ``replace``; without, the first one raises."""
+        return self._each("pause_generation")
 
-    def resume_generation(self) -> None:
-        wait_all([actor.resume_generation.remote() for actor in self.actors], self.names, self.timeout_s,
-                 "resume_generation")
+    def resume_generation(self) -> dict[int, WorkerFailure]:
+        return self._each("resume_generation")
+
+    def _each(self, method: str) -> dict[int, WorkerFailure]:
+        """Call ``method`` on every engine and wait for all; the engines that died (with ``restarts``)."""
+        refs = [getattr(actor, method).remote() for actor in self.actors]
+        if self.restarts is None:
+            wait_all(refs, self.names, self.timeout_s, method)
+            return {}
+        dead = {}
+        for index, (ref, name) in enumerate(zip(refs, self.names)):
+            try:
+                wait_all([ref], [name], self.timeout_s, method)
+            except WorkerFailure as failure:
+                if failure.dead != name:
+                    raise
+                dead[index] = failure
+        return dead
 
     def versions(self) -> list[int]:
         return wait_all([actor.weight_version.remote() for actor in self.actors], self.names, self.timeout_s, "weight_version")
@@ -152,7 +242,7 @@ def _engine(config: RLConfig) -> tuple[type, dict]:
         return HFEngine, arguments
     if rollout.backend == "vllm":
         from rlmega.rollout.vllm_engine import VLLMEngine
-        from rlmega.sync.transports import SHARDED_RDT
+        from rlmega.sync.registry import SHARDED_RDT
 
         if rollout.gpus_of_one_engine > 1:
             # vLLM 0.33 picks its Ray executor for tp x dp > 1 inside a placement group (vllm/config/parallel.py),

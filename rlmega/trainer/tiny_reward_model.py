@@ -47,7 +47,7 @@ def prepare_tiny_reward_model(directory: str | os.PathLike, *, policy_dir: str |
     model.eval().save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     os.replace(staging, directory)
-    print(f"fit the tiny reward model in {time.perf_counter() - started:.0f} s: {directory}", flush=True)
+    print(f"fit the tiny reward model in {time.perf_counter() - started:.0f} s", flush=True)
     return str(directory)
 
 

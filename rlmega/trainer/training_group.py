@@ -148,7 +148,7 @@ class RankProcess:
 
     def push_weights(self, engines: list, version: int, sync: SyncConfig):
         from rlmega.sync import push_weights
-        from rlmega.sync.transports import SHARDED_RDT
+        from rlmega.sync.registry import SHARDED_RDT
 
         if sync.transport == SHARDED_RDT:
             return self._rank0(self._sharded_sync(engines, sync).push(version, check_version=False))
@@ -162,7 +162,7 @@ class RankProcess:
         """vLLM's sharded_rdt transfer into the run's engines, set up at the first sync (a collective: the
         producers start, the engines get the plan) and kept for the rest of the run."""
         if self._sharded is None:
-            from rlmega.rollout.vllm_sharded import ShardedSync
+            from rlmega.sync.vllm_sharded import ShardedSync
 
             self._sharded = ShardedSync(self.workers["actor"].chunks, self.spec, engines if self.rank == 0 else None,
                                         timeout_s=sync.timeout_s)

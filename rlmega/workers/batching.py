@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from rlmega.data.schema import ImageInputs
+from rlmega.models.attention_mask import block_causal_mask
 from rlmega.workers.packed import portable
 
 
@@ -351,19 +352,6 @@ def _routing_rows(batch: SequenceBatch, indices: list[int], placements: list[tup
     for index, (start, length) in zip(indices, placements):
         routing[start:start + length] = batch.routing[index]
     return routing.view(rows, width, layers, topk)
-
-
-def block_causal_mask(segment_lengths: list[int]) -> torch.Tensor:
-    """``[1, 1, S, S]`` bool mask (True = masked) letting each token see only earlier tokens of its segment.
-    The mask carries ``segment_lengths`` as an attribute, so that attention need not read them back from it."""
-    lengths = torch.tensor(segment_lengths, dtype=torch.long)
-    first = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)  # each token's segment start
-    position = torch.arange(first.numel())
-    # Query i may see keys first[i]..i: three passes over the S x S mask (it is large for a packed row).
-    mask = (position.unsqueeze(0) > position.unsqueeze(1)) | (position.unsqueeze(0) < first.unsqueeze(1))
-    mask = mask.view(1, 1, *mask.shape)
-    mask.segment_lengths = list(segment_lengths)
-    return mask
 
 
 def _thd_params(real_lengths: list[int], slot_lengths: list[int], padded_slots: bool):

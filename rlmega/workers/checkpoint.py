@@ -25,7 +25,10 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
+from rlmega.bridge.hf_checkpoint import CheckpointError
+from rlmega.bridge.torch_dist_files import check_files, find_damage, read_index
 from rlmega.models.spec import sharded_model_state
 from rlmega.workers.optimizer_state import LEGACY_METADATA, SHARDED_METADATA, for_this_optimizer
 
@@ -175,9 +178,14 @@ def rotate_checkpoints(root: str | Path, keep: int) -> list[Path]:
     return doomed
 
 
+def _older_one(directory: Path) -> str:
+    return f"restore it from a copy, or delete {directory} to go on from the checkpoint before it"
+
+
 def load_checkpoint(path: str | Path, chunks: list, optimizer=None, scheduler=None) -> tuple[int, dict]:
     """Load the checkpoint at ``path`` (an ``iter_*`` directory or its root) into this rank's model,
-    optimizer and schedule, whatever layout it was saved with; collective. Returns ``(step, extra)``."""
+    optimizer and schedule, whatever layout it was saved with; collective. Returns ``(step, extra)``. A file of
+    it that is missing, cut short or garbled raises CheckpointError naming the file."""
     from megatron.core import dist_checkpointing
 
     directory = latest_checkpoint(path)
@@ -186,7 +194,10 @@ def load_checkpoint(path: str | Path, chunks: list, optimizer=None, scheduler=No
             f"no complete checkpoint at {path}: expected an iter_* directory with {METADATA}, or a directory "
             f"with {TRACKER} naming one"
         )
-    metadata = json.loads((directory / METADATA).read_text())
+    try:
+        metadata = json.loads((directory / METADATA).read_text())
+    except ValueError as error:
+        raise CheckpointError(f"{directory / METADATA} is damaged ({error}); {_older_one(directory)}") from None
     same_world = metadata["world_size"] == dist.get_world_size()
     if not same_world:
         warnings.warn(
@@ -198,9 +209,16 @@ def load_checkpoint(path: str | Path, chunks: list, optimizer=None, scheduler=No
     sharded = _sharded_state(chunks, optimizer, scheduler, is_loading=True, with_rng=same_world,
                              optimizer_metadata=SHARDED_METADATA if metadata.get("optimizer_keys") == "by_parameter"
                              else LEGACY_METADATA)
-    # The CPU-offloaded optimizer's param groups name the torch optimizer classes it steps with.
-    with torch.serialization.safe_globals([torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD]):
-        state = dist_checkpointing.load(sharded, str(directory))
+    check_files(directory, read_index(directory))  # a missing or cut shard file, named before Megatron reads any
+    try:
+        # The CPU-offloaded optimizer's param groups name the torch optimizer classes it steps with.
+        with torch.serialization.safe_globals([torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD]):
+            state = dist_checkpointing.load(sharded, str(directory))
+    except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
+        damage = find_damage(directory)  # reads the files whole: only now
+        if damage is None:
+            raise
+        raise CheckpointError(f"{damage}; {_older_one(directory)}") from error
     model_keys = [key for key in state if key == "model" or (key.startswith("model") and key[5:].isdigit())]
     for chunk, key in zip(chunks, sorted(model_keys, key=lambda key: int(key[5:] or 0))):
         _without_ddp(chunk).load_state_dict(state[key])

@@ -88,7 +88,7 @@ def run_schedule(chunks: list, micro_batches: list[MicroBatch], head: Head, *, f
 
 def _mask_on(mask: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
     """The attention mask on ``device``, with the segment lengths a packed row's mask carries
-    (``batching.block_causal_mask``): a moved tensor is a new object, without the attribute."""
+    (``models.attention_mask.block_causal_mask``): a moved tensor is a new object, without the attribute."""
     if mask is None or device is None:
         return mask
     moved = mask.to(device)

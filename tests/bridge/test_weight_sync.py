@@ -51,7 +51,7 @@ def _engine(hf_dir, in_ray_actor):
         return HFEngine(hf_dir)
     import ray
 
-    from rlmega.rollout.ray_actor import RemoteEngine, start_engine_actor
+    from rlmega.trainer.engine_actor import RemoteEngine, start_engine_actor
 
     ray.init(address="local", num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1",
              object_store_memory=100 * 1024**2, log_to_driver=False)

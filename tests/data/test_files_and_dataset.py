@@ -251,17 +251,14 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
     assert tokenizer.decode(thinking.prompt_token_ids) == "Tq"
 
 
-def test_prompts_are_read_once_per_process_until_the_file_changes(tmp_path, char_tokenizer):
-    import os
+def test_datasets_moved_with_their_files_name_the_new_place(tmp_path, char_tokenizer):
+    """Tiny assets are checked where they were built, then moved into the run directory: the records follow."""
+    from rlmega.data import PromptDatasets
 
-    from rlmega.data import load_prompts
-
-    path = write_rows([_countdown_row(), _countdown_row()], tmp_path / "a.jsonl")
-    config = DataConfig(files=[str(path)])
-    first = load_prompts(config, char_tokenizer)
-    assert load_prompts(DataConfig(files=[str(path)]), char_tokenizer) is first  # validate, then the run
-    assert load_prompts(DataConfig(files=[str(path)], max_prompt_length=7, truncation="right"), char_tokenizer) is not first
-    write_rows([_countdown_row()] * 3, tmp_path / "a.jsonl")
-    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 1_000_000))
-    changed = load_prompts(config, char_tokenizer)
-    assert changed is not first and len(changed) == 3
+    built, moved = tmp_path / "built", tmp_path / "run" / "assets"
+    train = write_rows([_countdown_row(), _countdown_row()], built / "train.jsonl")
+    elsewhere = write_rows([_countdown_row()], tmp_path / "val.jsonl")
+    datasets = PromptDatasets.read(DataConfig(files=[train]), DataConfig(files=[elsewhere]), char_tokenizer)
+    datasets.relocate(str(built), str(moved))
+    assert [r.source_file for r in datasets.train.records] == [str(moved / "train.jsonl")] * 2
+    assert datasets.val.records[0].source_file == elsewhere

@@ -1,5 +1,6 @@
 """``torchrun --nnodes 2 --nproc-per-node 1 -m rlmega.launch.torchrun`` with two launcher processes
-on this host: the tiny job end to end, and a dead node ending the launch with its name."""
+on this host (through ``rlmega.launch.checked_torchrun``, torchrun with its rendezvous checked first): the
+tiny job end to end, and a dead node ending the launch with its name."""
 
 import re
 import subprocess
@@ -9,7 +10,6 @@ import time
 import pytest
 from launch_helpers import (
     REPO,
-    VENV_BIN,
     assert_finished,
     engine_node_ids,
     free_port_prefix,
@@ -20,6 +20,8 @@ from launch_helpers import (
 )
 
 pytestmark = pytest.mark.timeout(300)
+
+CHECKED_TORCHRUN = [sys.executable, "-m", "rlmega.launch.checked_torchrun"]
 
 
 def start_launchers(scratch, driver_command, heartbeat_timeout=60, static=False):
@@ -39,7 +41,7 @@ def start_launchers(scratch, driver_command, heartbeat_timeout=60, static=False)
         else:
             rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv}"]
         cmd = [
-            str(VENV_BIN / "torchrun"), "--nnodes", "2", "--nproc-per-node", "1", *rendezvous,
+            *CHECKED_TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", *rendezvous,
             "--max-restarts", "0", "-m", "rlmega.launch.torchrun",
             "--ray-port", str(gcs), "--num-cpus", "4", "--include-dashboard", "false",
             "--temp-dir", str(scratch / "ray{rank}"), "--log-dir", str(scratch / "ray-logs"),
@@ -62,6 +64,22 @@ def wait_all(launchers, timeout):
     for launcher in launchers:
         codes.append(launcher.wait(timeout=max(1, deadline - time.monotonic())))
     return codes
+
+
+def test_two_agents_of_one_launch_share_a_host_and_its_rendezvous_port():
+    """With c10d, the second agent on the endpoint's host finds the port taken by the first one's store: a
+    store answers there, so the launch goes on."""
+    port, = free_ports(1)
+    command = [*CHECKED_TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--no-python", sys.executable, "-c", "pass"]
+    agents = [subprocess.Popen(command, env=launch_env(), cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True) for _ in range(2)]
+    try:
+        outputs = [agent.communicate(timeout=120)[0] for agent in agents]
+    finally:
+        for agent in agents:
+            kill_group(agent)
+    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(outputs)[-4000:]
 
 
 def test_torchrun_two_nodes_runs_the_tiny_job(scratch, driver):

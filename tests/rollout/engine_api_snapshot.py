@@ -58,7 +58,7 @@ TARGETS = {
             "ParamMeta": "fields", "Shard": "fields", "Replicate": "fields", "WeightSource.owned_names": "signature",
             "WeightSource.iter_local": "signature", "WeightSource.iter_full": "signature",
             "TrainerInitInfo": "fields", "TrainerWeightTransferEngine.send_weights": "signature"},
-        # rlmega.rollout.vllm_sharded: the sharded_rdt backend driven from every trainer rank.
+        # rlmega.sync.vllm_sharded: the sharded_rdt backend driven from every trainer rank.
         "vllm/distributed/weight_transfer/factory.py": {"WeightTransferTrainerFactory.trainer_init": "signature"},
         "vllm/distributed/weight_transfer/sharded_rdt_trainer.py": {
             "ShardedRDTTrainerInitInfo": "fields", "ShardedRDTTrainerWeightTransferEngine.send_weights": "signature"},

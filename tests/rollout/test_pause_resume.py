@@ -170,7 +170,7 @@ def test_calls_while_paused_do_not_wait_for_an_update(engine, pool, llama_other_
 def test_pause_reaches_a_generate_running_in_a_threaded_actor(local_ray, llama_dir):
     import ray
 
-    from rlmega.rollout.ray_actor import RemoteEngine, start_engine_actor
+    from rlmega.trainer.engine_actor import RemoteEngine, start_engine_actor
 
     # Run in the actor (local functions travel by value; the test module is not importable there).
     def hold_until_paused(engine, step):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rlmega.rollout import HFEngine, RolloutEngine, SamplingParams
-from rlmega.rollout.ray_actor import RemoteEngine, start_engine_actor
+from rlmega.trainer.engine_actor import RemoteEngine, start_engine_actor
 
 from .tiny_models import PROMPTS, checkpoint_tensors
 
@@ -31,7 +31,7 @@ def test_generate_and_update_through_an_actor(local_ray, llama_dir, llama_other_
 
 
 def test_model_calls_are_pinned_to_one_thread_and_the_rest_are_not():
-    from rlmega.rollout.ray_actor import MODEL_THREAD, engine_actor_class
+    from rlmega.trainer.engine_actor import MODEL_THREAD, engine_actor_class
     from rlmega.rollout.vllm_engine import VLLMEngine
 
     for engine_class in (HFEngine, VLLMEngine):

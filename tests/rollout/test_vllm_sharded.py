@@ -1,4 +1,4 @@
-"""``ShardedSync`` (rlmega.rollout.vllm_sharded): vLLM 0.33's ``sharded_rdt`` transfer driven from real Megatron
+"""``ShardedSync`` (rlmega.sync.vllm_sharded): vLLM 0.33's ``sharded_rdt`` transfer driven from real Megatron
 ranks into ``VLLMEngine``s, against fakes bound to the wheel's API: fakes/fake_vllm_weight_transfer.py keeps the
 trainer side's rules (group-contiguous metadata, the default group's rank, owned names in metadata order, the
 client called by the sender only, in order) with one producer folder per rank, and fakes/fake_vllm.py the
@@ -39,7 +39,7 @@ def _sync_on_rank(rank, world_size, layout, hf_dir, other_dir, folder, replicas,
     os.environ["RLMEGA_FAKE_RDT_DIR"] = folder
     sys.modules.update(fake_vllm_weight_transfer.modules())
     from rlmega.rollout.vllm_engine import VLLMEngine
-    from rlmega.rollout.vllm_sharded import ShardedSync
+    from rlmega.sync.vllm_sharded import ShardedSync
     from rlmega.trainer.training_group import RankProcess
 
     initialize(layout)
@@ -156,7 +156,7 @@ class _Engine:
 
 
 def test_the_client_fans_out_and_names_a_failing_engine():
-    from rlmega.rollout.vllm_sharded import EnginesClient
+    from rlmega.sync.vllm_sharded import EnginesClient
 
     engines = [_Engine(2), _Engine(2)]
     client = EnginesClient(engines, timeout_s=60)
@@ -173,7 +173,7 @@ def test_the_client_fans_out_and_names_a_failing_engine():
 
 
 def test_the_engines_belong_on_the_sender_only(vllm):
-    from rlmega.rollout.vllm_sharded import ShardedSync
+    from rlmega.sync.vllm_sharded import ShardedSync
     from rlmega.trainer.training_group import RankProcess
 
     with pytest.raises(ValueError, match="engines on trainer rank 0 .*rank 0 got None"):

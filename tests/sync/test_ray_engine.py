@@ -5,7 +5,7 @@ import time
 import pytest
 import ray
 
-from rlmega.rollout.ray_actor import RemoteEngine, start_engine_actor
+from rlmega.trainer.engine_actor import RemoteEngine, start_engine_actor
 from rlmega.sync import TransportError, make_transport, require_version, stream_update
 
 from .helpers import BUCKET_BYTES, assert_serves, buckets_of

@@ -21,6 +21,8 @@ class FakeEngines:
     """Answers an ``a+b=`` prompt right in even samples and off by one in odd ones (then the stop
     token); greedy answers are always right."""
 
+    restarts = None  # they never die
+
     def __init__(self, tokenizer, stop_token_id: int):
         self.tokenizer, self.stop_token_id = tokenizer, stop_token_id
         self.version, self.asleep, self.sleeps = 0, False, 0

@@ -15,6 +15,7 @@ from rlmega.config import load_config
 from rlmega.trainer.async_rollouts import AsyncRollouts, _Done, _Group, _Response
 from rlmega.trainer.controller import Trainer
 from rlmega.trainer.prompts import PromptSource
+from rlmega.trainer.resume import ResumeDecision
 
 from .fakes import (ROLLOUT_LOGP, FakeActor, FakeAsyncEngines, FakeEngines, FakeJob, FakeReference, MidGenerationActor,
                     RecordedTakes)
@@ -39,13 +40,14 @@ def _config(tmp_path, assets, *overrides):
         "sync.post_sync_check=false", "cluster.timeout_s=60", *overrides])
 
 
-def _async_trainer(tmp_path, assets, *overrides, tick_s=0.02, actor=None, job=None, engines=FakeAsyncEngines):
+def _async_trainer(tmp_path, assets, *overrides, tick_s=0.02, actor=None, job=None, engines=FakeAsyncEngines,
+                   start=ResumeDecision()):
     config = _config(tmp_path, assets, *overrides)
     prompts = PromptSource(config)
     engines = engines(prompts.tokenizer, prompts.stop_token_ids[0], tick_s=tick_s)
     actor = actor(engines) if actor else FakeActor()
     trainer = Trainer(config, prompts, job or FakeJob(), actor, engines,
-                      reference=FakeReference() if config.needs_reference else None)
+                      reference=FakeReference() if config.needs_reference else None, start=start)
     return trainer, actor, engines, RecordedTakes(trainer)
 
 
@@ -152,19 +154,15 @@ class _ResumableJob(FakeJob):
         return self.saved_extra
 
 
-def test_resume_neither_loses_nor_repeats_a_prompt(tmp_path, assets, monkeypatch):
+def test_resume_neither_loses_nor_repeats_a_prompt(tmp_path, assets):
     first_job = FakeJob()
     trainer, _, _, first = _async_trainer(tmp_path / "a", assets, "trainer.save_every=2", "rollout.max_staleness=1",
                                           job=first_job)
     assert trainer.fit() == 0
     extra = next(extra for _, extra, _ in first_job.saved if extra["step"] == 2)
     # The second run resumes from the step-2 checkpoint (as after a kill -9 during step 3).
-    import rlmega.workers.checkpoint as checkpoint
-
-    marker = tmp_path / "b" / "checkpoints" / "actor" / "iter_0000002"
-    monkeypatch.setattr(checkpoint, "latest_checkpoint", lambda root: marker)
     trainer, _, _, second = _async_trainer(tmp_path / "b", assets, "trainer.save_every=2", "rollout.max_staleness=1",
-                                           job=_ResumableJob(extra))
+                                           job=_ResumableJob(extra), start=ResumeDecision(step=2))
     assert trainer.start_step == 2
     assert trainer.fit() == 0
     before = [i for step in (1, 2) for i in first.taken[step].prompt_indices]

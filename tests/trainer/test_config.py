@@ -119,6 +119,28 @@ def test_the_post_sync_tolerance_follows_the_precision_of_both_sides(run_dir, ov
     assert config.post_sync_atol() == atol
 
 
+def test_the_run_takes_the_prompts_the_checks_read(run_dir, tmp_path):
+    """Read and tokenized once: the checks hand their datasets to the run, which reads no data file again."""
+    import shutil
+
+    from rlmega.trainer.prompts import PromptSource
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "val"):
+        shutil.copy(run_dir / "assets" / f"{split}.parquet", data)
+    config = load_config("tiny_cpu", [f"run_dir={run_dir}", f"data.files=[{data / 'train.parquet'}]",
+                                      f"val_data.files=[{data / 'val.parquet'}]"], check=False)
+    datasets = validate(config)
+    shutil.rmtree(data)
+    prompts = PromptSource(config, datasets=datasets)
+    try:
+        assert prompts.dataset is datasets.train and prompts.val_dataset is datasets.val
+        assert len(prompts.dataset) == 64 and len(prompts.val_dataset) == 16
+    finally:
+        prompts.close()
+
+
 def test_missing_model_names_the_field(tmp_path):
     config = load_config("tiny_cpu", [f"run_dir={tmp_path}"], check=False)
     with pytest.raises(ConfigError, match="model.path"):

@@ -225,7 +225,7 @@ import sys, types
 import torch
 torch.cuda.device_count = lambda: 0
 build = types.ModuleType("rlmega.trainer.build")
-def started(config):
+def started(config, datasets=None):
     raise SystemExit("the run started")
 build.run = build.run_sft = started
 sys.modules["rlmega.trainer.build"] = build
@@ -270,6 +270,35 @@ def test_the_command_line_names_a_bad_yaml_file_and_a_bad_data_row(tmp_path, run
         f"rlmega train: {train} row 0: the prompt is 8 tokens, longer than data.max_prompt_length=4; set "
         "data.truncation=left (keep its end) or data.filter_overlong_prompts=true (skip such prompts), or raise "
         "data.max_prompt_length\n")
+
+
+def _fresh_cli(tmp_path, *arguments):
+    """The stubbed command on a run directory that does not exist yet, with a temporary directory of its own."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir(exist_ok=True)
+    env = {**{key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}, "TMPDIR": str(scratch)}
+    result = subprocess.run([sys.executable, "-c", CLI, "train", f"run_dir={tmp_path / 'run'}", *arguments],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert list(scratch.glob("rlmega-*")) == []  # the assets built aside are gone
+    return result
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["layout.tp=3", "layout.world_size=3"], "layout: num_attention_heads=4 is not divisible by tp=3"),  # the model's
+    (["trainer.prompts_per_step=5000"], "trainer.prompts_per_step: 5000 prompts per step, but data.files hold 2000"),
+])
+def test_checks_that_need_the_tiny_assets_write_nothing_into_the_run_directory(tmp_path, arguments, message):
+    result = _fresh_cli(tmp_path, *arguments)
+    assert (result.returncode, result.stdout) == (2, "") and result.stderr.startswith(f"rlmega train: {message}")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_valid_config_gets_its_tiny_assets_moved_into_the_run_directory(tmp_path):
+    result = _fresh_cli(tmp_path, "trainer.val_every=0")
+    assert "the run started" in result.stderr, result.stderr[-3000:]
+    assets = tmp_path / "run" / "assets"
+    assert sorted(p.name for p in assets.iterdir()) == ["model", "train.parquet", "val.parquet"]
+    assert (assets / "model" / "config.json").is_file()
 
 
 @pytest.mark.parametrize("overrides,message", [

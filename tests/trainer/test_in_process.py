@@ -9,7 +9,7 @@ import pytest
 
 from rlmega.config import load_config
 from rlmega.errors import UserError
-from rlmega.trainer.in_process import in_process_obstacles, in_process_threads, rank_threads, runs_in_process
+from rlmega.trainer.in_process import in_process_threads, rank_threads, runs_in_process
 
 ONE_RANK = ["trainer.prompts_per_step=4", "rollout.n=4", "trainer.sft_steps=2", "trainer.val_every=0",
             "trainer.save_every=0", "export_hf=false", "reward.num_workers=1", "layout.tp=1", "layout.world_size=1"]
@@ -37,7 +37,7 @@ def test_which_runs_go_in_one_process(tmp_path, assets, monkeypatch):
                             ("rollout.placement=disaggregated", "placement"), ("cluster.gpus_per_rank=1", "GPUs"),
                             ("cluster.ray_address=auto", "Ray cluster")]:
         config = _config(tmp_path, assets, override, check=False)
-        assert any(named in obstacle for obstacle in in_process_obstacles(config)), override
+        assert any(named in obstacle for obstacle in config.in_process_obstacles()), override
         assert not runs_in_process(config)
     # Only one of the two parts computes at a time: they share what each would hold on Ray, up to the machine's cores.
     config = _config(tmp_path, assets, "cluster.cpus_per_rank=0.5", "rollout.cpus_per_engine=0.5")

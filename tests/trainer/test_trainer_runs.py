@@ -34,10 +34,11 @@ def _prepare(run_dir: Path, assets: Path) -> None:
         (run_dir / "assets").symlink_to(assets)
 
 
-def _train(run_dir, assets, *overrides, timeout_s=300):
+def _train(run_dir, assets, *overrides, timeout_s=300, env=None):
     _prepare(run_dir, assets)
     command = [sys.executable, "-m", "rlmega.cli.main", "train", f"run_dir={run_dir}", *TINY, *overrides]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
+                          env=None if env is None else {**os.environ, **env})
 
 
 def kill_after_checkpoint(process: subprocess.Popen, tracker: Path, checkpoint: int, total: int) -> int:
@@ -244,14 +245,19 @@ def test_the_quickstart_starts_from_a_verl_config(tmp_path, assets):
     assert "actor_rollout_ref.model.lora_rank" in refused.stderr
 
 
-def test_a_run_that_fails_to_start_leaves_the_run_directory_as_it_was(tmp_path, assets):
-    run_dir = tmp_path / "run"
+def test_a_run_that_fails_to_start_leaves_the_run_directory_as_it_was_but_for_its_logs(tmp_path, assets):
+    run_dir, scratch = tmp_path / "run", tmp_path / "tmp"
+    scratch.mkdir()
     # The untrained model answers nothing right, so dynamic sampling finds no group to train on in
     # step 1: the run fails after its parts started and its metrics file opened.
     result = _train(run_dir, assets, "trainer.total_steps=1", "layout.tp=1", "layout.world_size=1",
-                    "trainer.sft_steps=0", "algorithm.dynamic_sampling=true", "algorithm.max_generation_rounds=1")
+                    "trainer.sft_steps=0", "algorithm.dynamic_sampling=true", "algorithm.max_generation_rounds=1",
+                    env={"TMPDIR": str(scratch)})
     assert result.returncode != 0 and "nothing to train on" in result.stderr
-    assert sorted(p.name for p in run_dir.iterdir()) == ["assets"]  # no placement.json, no metrics.jsonl
+    assert sorted(p.name for p in run_dir.iterdir()) == ["assets", "logs"]  # no placement.json, no metrics.jsonl
+    [kept] = (run_dir / "logs").iterdir()
+    assert kept.name.startswith("failed-start-") and (kept / "workers" / "in-process.log").is_file()
+    assert list(scratch.glob("rlmega-*")) == []  # nothing of the run outside its directory
 
 
 def test_the_console_shows_rlmega_lines_and_workers_write_to_their_logs(tmp_path, assets):

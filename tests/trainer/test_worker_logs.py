@@ -62,26 +62,32 @@ def test_actor_env_names_the_log_and_remembers_it(tmp_path):
     assert log_path(tmp_path, "Judge engine 0").name == "judge-engine-0.log"
 
 
-def test_a_failed_start_keeps_its_logs_elsewhere_and_names_them(tmp_path, monkeypatch):
+def test_a_failed_start_keeps_its_logs_in_the_run_directory_and_names_them(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "assets").mkdir()
     worker_log = log_path(run_dir, "rollout engine 0")
 
-    def failing_start(config):
+    def failing_start(config, datasets=None):
         worker_log.parent.mkdir(parents=True)
         worker_log.write_text("Traceback: the engine's own story\n")
+        (run_dir / "placement.json").write_text("{}")
         raise WorkerFailure(f"starting engines: rollout engine 0 died (killed); its output is in {worker_log}")
 
     monkeypatch.setattr(build, "build_trainer", failing_start)
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # nothing of the run may land in the temporary directory
+    (tmp_path / "tmp").mkdir()
     config = type("Config", (), {"run_dir": str(run_dir)})()
     with pytest.raises(RunFailure) as failure:
         build.run(config)
-    assert sorted(p.name for p in run_dir.iterdir()) == ["assets"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["assets", "logs"]  # placement.json removed
+    [kept] = (run_dir / "logs").iterdir()
+    assert re.fullmatch(r"failed-start-\d{8}-\d{6}", kept.name)
     message = str(failure.value)
-    kept = message.split("its output is in ")[1]
-    assert str(run_dir) not in message and open(kept).read() == "Traceback: the engine's own story\n"
-    assert failure.value.details.endswith("error.log") and "WorkerFailure" in open(failure.value.details).read()
+    assert message.endswith(f"its output is in {kept / 'workers' / 'rollout-engine-0.log'}")
+    assert open(message.split("its output is in ")[1]).read() == "Traceback: the engine's own story\n"
+    assert failure.value.details == str(kept / "error.log") and "WorkerFailure" in open(failure.value.details).read()
+    assert list((tmp_path / "tmp").glob("rlmega-*")) == []
 
 
 def test_cli_prints_a_run_failure_as_one_line(monkeypatch, capsys):
@@ -101,14 +107,14 @@ def test_cli_prints_a_run_failure_as_one_line(monkeypatch, capsys):
 
 
 def _with_run(parser, run):
-    original = parser.parse_args
+    original = parser.parse_known_args
 
-    def parse_args(argv=None):
-        args = original(argv)
+    def parse_known_args(argv=None):
+        args, extras = original(argv)
         args.run = run
-        return args
+        return args, extras
 
-    parser.parse_args = parse_args
+    parser.parse_known_args = parse_known_args
     return parser
 
 

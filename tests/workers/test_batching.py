@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from rlmega.models.attention_mask import block_causal_mask
 from rlmega.workers.batching import (
-    SequenceBatch, balance_across_ranks, block_causal_mask, build_micro_batch, count_micro_batches,
+    SequenceBatch, balance_across_ranks, build_micro_batch, count_micro_batches,
     concatenated_ranges, padded_field, split_by_token_budget, split_padded,
 )
 

@@ -12,7 +12,8 @@ import torch
 from rlmega.models.core_attention import TorchCoreAttention
 from rlmega.parallel.layout import zigzag_positions
 from rlmega.parallel.spawn import run_on_ranks
-from rlmega.workers.batching import SequenceBatch, block_causal_mask, build_micro_batch
+from rlmega.models.attention_mask import block_causal_mask
+from rlmega.workers.batching import SequenceBatch, build_micro_batch
 from rlmega.workers.context_parallel import segment_positions, split_micro_batch
 from rlmega.workers.passes import _on
 

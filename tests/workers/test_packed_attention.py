@@ -7,7 +7,7 @@ import torch
 
 from rlmega.models import core_attention
 from rlmega.models.core_attention import TorchCoreAttention, packed_segments
-from rlmega.workers.batching import block_causal_mask
+from rlmega.models.attention_mask import block_causal_mask
 
 HEADS, GROUPS, DIM = 4, 2, 8
 ATOL = RTOL = 1e-6  # dv reaches ~5: a few float32 ulps there are ~1e-6 (seen: 1.2e-6 at -3.77 on an AVX-512 CPU)

@@ -1,4 +1,4 @@
-"""Per-engine-rank bytes of a weight update (rlmega.sync.engine_bytes): hand-counted on tiny configs,
+"""Per-engine-rank bytes of a weight update (rlmega.rollout.engine_bytes): hand-counted on tiny configs,
 the tensor list against real HF checkpoints, and the numbers printed in rlmega/sync/README.md."""
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 from safetensors import safe_open
 
-from rlmega.sync.engine_bytes import (EXPERT_COLUMN, EXPERT_ROW, KV_COLUMN, REPLICATED, EngineLayout,
+from rlmega.rollout.engine_bytes import (EXPERT_COLUMN, EXPERT_ROW, KV_COLUMN, REPLICATED, EngineLayout,
                                       engine_rank_bytes, hf_tensors)
 
 # One MoE layer of a tiny Qwen3-MoE: 1 KV head (replicated over TP=2), 4 experts.

@@ -25,6 +25,8 @@ import dataclasses
 import math
 from typing import Iterator
 
+from rlmega.rollout.engine_common import moe_layer_indices
+
 COLUMN, ROW, VOCAB, REPLICATED, KV_COLUMN, EXPERT_COLUMN, EXPERT_ROW = (
     "column", "row", "vocab", "replicated", "kv_column", "expert_column", "expert_row")
 
@@ -152,8 +154,6 @@ def _dense_mlp(prefix: str, hidden: int, intermediate: int, names=("gate_proj", 
 
 
 def _is_moe_layer(config: dict, index: int) -> bool:
-    from rlmega.rollout.engine_common import moe_layer_indices
-
     return index in moe_layer_indices(config)
 
 

@@ -32,7 +32,8 @@ from rlmega.bridge.pieces import piece_layout
 from rlmega.models.spec import ModelSpec
 from rlmega.rollout.vllm_weight_source import megatron_weight_source
 from rlmega.sync.errors import TransportError
-from rlmega.sync.transports import DEFAULT_TIMEOUT_S, SHARDED_RDT, in_thread
+from rlmega.sync.registry import SHARDED_RDT
+from rlmega.sync.transports import DEFAULT_TIMEOUT_S, in_thread
 from rlmega.sync.weight_sync import SyncStats, require_version
 
 
