@@ -13,7 +13,7 @@ tensors are real, so a CPU test can step the optimizer and see where each state 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -127,10 +127,12 @@ def storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
-def allocated_bytes(root, exclude: set[int] = frozenset()) -> dict[str, int]:
+def allocated_bytes(root, exclude: set[int] = frozenset(),
+                    is_host: Callable[[torch.Tensor], bool] = on_host) -> dict[str, int]:
     """{"gpu": bytes, "host": bytes} of the storages reachable from ``root`` (modules not followed),
     each counted once, leaving out the storages in ``exclude`` (``storage_key``: the model's own) and
-    one-element tensors (step counts, flags and loss scales: bytes, where the state is gigabytes)."""
+    one-element tensors (step counts, flags and loss scales: bytes, where the state is gigabytes).
+    ``is_host`` tells the places apart: ``simulated_gpu``'s by default, a real device's on a GPU."""
     totals, counted = {"gpu": 0, "host": 0}, set(exclude)
     for tensor in _reachable_tensors(root, (torch.nn.Module,)):
         if tensor.numel() <= 1:
@@ -138,5 +140,5 @@ def allocated_bytes(root, exclude: set[int] = frozenset()) -> dict[str, int]:
         key = storage_key(tensor)
         if key not in counted:
             counted.add(key)
-            totals["host" if on_host(tensor) else "gpu"] += tensor.untyped_storage().nbytes()
+            totals["host" if is_host(tensor) else "gpu"] += tensor.untyped_storage().nbytes()
     return totals

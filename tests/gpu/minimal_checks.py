@@ -6,6 +6,7 @@ platform). The CPU contract tests run exactly these bodies, so a broken body fai
 GPU machine. Bodies return plain CPU tensors and numbers; the tests judge them.
 """
 
+import contextlib
 import math
 
 import torch
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 
 from rlmega.models import model_spec_from_hf
 from rlmega.parallel.layout import ParallelLayout, destroy, initialize
+from rlmega.plan.placement import allocated_bytes, on_host, simulated_gpu, storage_key
 from rlmega.rollout import HFEngine, SamplingParams
 from rlmega.sync import WeightSyncError, post_sync_check, push_weights, require_version
 from rlmega.workers.batching import SequenceBatch
@@ -196,3 +198,40 @@ def sync_body(rank, world_size, hf_dir, other_dir, dtype, atol):
     destroy(including_default_group=True)
     return dict(caught_unsynced=caught_unsynced, transport=stats.transport, bytes=stats.bytes, worst=worst,
                 version=engine.weight_version(), synced_on_device=synced_on_device)
+
+
+def _optimizer_bytes(worker: MegatronWorker, is_host) -> dict[str, int]:
+    """The optimizer's own storages by place, the model's parameters and gradient buffers left out."""
+    model = {storage_key(param) for chunk in worker.chunks for param in chunk.parameters()}
+    for chunk in worker.chunks:
+        model |= {storage_key(buffer.grad_data) for buffer in chunk.buffers + chunk.expert_parallel_buffers}
+    return allocated_bytes(worker.optimizer, model, is_host=is_host)
+
+
+def offloaded_optimizer_body(rank, world_size, hf_dir, root):
+    """The CPU-offloaded optimizer (distributed, ``cpu_offload_fraction=1``, bf16): its state's bytes by
+    place once built, after an update, and in a fresh worker that loaded a checkpoint of it; the elements of
+    its shard; whether both workers give the same weights. On CUDA the places are the tensors' devices; on
+    the CPU, ``simulated_gpu``'s (Megatron's offload moves only tensors that say they are on the GPU), and
+    the checkpoint is saved and loaded outside the simulation (torch's collectives would ask CUDA about the
+    tensors), so there the resumed state's place is not known (None)."""
+    on_gpu = _start() == "cuda"
+    simulation = contextlib.nullcontext if on_gpu else simulated_gpu
+    is_host = (lambda tensor: tensor.device.type == "cpu") if on_gpu else on_host
+    offloaded = dict(distributed_optimizer=True, cpu_offload_fraction=1.0)
+    with simulation():
+        worker = actor(hf_dir, "bf16", **offloaded)
+        built = _optimizer_bytes(worker, is_host)
+        train_once(worker)
+        stepped = _optimizer_bytes(worker, is_host)
+    owned = sum(shard.numel() for inner in worker.optimizer.chained_optimizers
+                for group in inner.shard_float16_groups for shard in group)
+    worker.save_checkpoint(root)
+    with simulation():
+        fresh = actor(hf_dir, "bf16", **offloaded)
+    fresh.load_checkpoint(root)
+    resumed = _optimizer_bytes(fresh, is_host) if on_gpu else None
+    trained, loaded = hf_weights(worker), hf_weights(fresh)
+    destroy(including_default_group=True)
+    return dict(built=built, stepped=stepped, resumed=resumed, owned=owned,
+                same_weights=all(torch.equal(loaded[name], tensor) for name, tensor in trained.items()))

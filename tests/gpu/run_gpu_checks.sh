@@ -86,6 +86,7 @@ MINIMAL_CHECKS=(
     "worker-packed-equals-padded|tests/gpu/test_worker_gpu.py::test_packed_update_equals_padded_on_gpu"
     "worker-response-row-logits|tests/gpu/test_worker_gpu.py::test_response_row_logits_update_equals_the_full_output_layer_on_gpu"
     "worker-offload-onload-bit-exact|tests/gpu/test_minimal_tier.py::test_offload_onload_is_bit_exact_on_gpu"
+    "optimizer-offload-leaves-the-gpu|tests/gpu/test_minimal_tier.py::test_the_offloaded_optimizer_keeps_none_of_its_state_on_the_gpu_built_stepped_or_resumed"
     "distributed-optimizer-nccl-ws1|tests/gpu/test_minimal_tier.py::test_distributed_optimizer_over_nccl_equals_the_plain_one"
     "bridge-export-cuda-bf16|tests/gpu/test_minimal_tier.py::test_bridge_exports_cuda_bf16_tensors"
     "hf-engine-cuda-bf16|tests/gpu/test_minimal_tier.py::test_hf_engine_on_gpu_in_bf16"

@@ -135,7 +135,7 @@ def test_each_check_line_carries_what_it_measured_and_failures_name_their_rerun(
     assert re.fullmatch(r"FAIL hf-engine-cuda-bf16 \(\d+s\): 1 failed in 0\.01s \(measured: rescored_max=0\.5\)",
                         lines[names.index("hf-engine-cuda-bf16")]), lines
     tail = result.stdout.splitlines()[-2:]
-    assert tail == ["tier minimal: 9 passed, 1 failed, 0 skipped (failed: hf-engine-cuda-bf16)",
+    assert tail == ["tier minimal: 10 passed, 1 failed, 0 skipped (failed: hf-engine-cuda-bf16)",
                     "rerun the failed checks with: --only hf-engine-cuda-bf16"], tail
 
 

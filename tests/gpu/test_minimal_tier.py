@@ -17,8 +17,8 @@ from rlmega.parallel.spawn import run_on_ranks
 
 from .conftest import ENGINE_MODELS
 from .measures import measured
-from .minimal_checks import (distributed_optimizer_body, export_body, hf_engine_check, offload_body, sync_body,
-                             update_body)
+from .minimal_checks import (distributed_optimizer_body, export_body, hf_engine_check, offload_body,
+                             offloaded_optimizer_body, sync_body, update_body)
 
 TIMEOUT_S = 240
 UPDATE_COSINE_MIN = 0.9
@@ -83,6 +83,28 @@ def test_offload_onload_is_bit_exact_on_gpu(gpu_llama_dir):
 
 def test_offload_contract_on_cpu(gpu_llama_dir, cpu_only_children):
     _check_offload(_on_rank(offload_body, gpu_llama_dir, "fp32"), on_gpu=False)
+
+
+# ---- the CPU-offloaded optimizer leaves the GPU, also once resumed --------------------------------
+
+@pytest.mark.gpu
+def test_the_offloaded_optimizer_keeps_none_of_its_state_on_the_gpu_built_stepped_or_resumed(gpu_llama_dir, tmp_path):
+    found = _on_rank(offloaded_optimizer_body, gpu_llama_dir, str(tmp_path / "checkpoints"))
+    measured(host_mib=found["stepped"]["host"] / 2**20, gpu_bytes=found["stepped"]["gpu"])
+    # fp32 masters, Adam's two moments and the fp32 gradient copy: 16 bytes per owned element, all in host
+    # memory (megatron-core 0.16 without the precision-aware optimizer kept a second fp32 master on the GPU).
+    assert found["built"] == {"gpu": 0, "host": 4 * found["owned"]}
+    assert found["stepped"] == found["resumed"] == {"gpu": 0, "host": 16 * found["owned"]}
+    assert found["same_weights"]
+
+
+def test_offloaded_optimizer_contract_on_cpu(gpu_llama_dir, tmp_path, cpu_only_children):
+    # The same body under simulated_gpu: built and stepped as on the GPU; the checkpoint resumes to the same
+    # weights (where the resumed state lives is the GPU check's alone).
+    found = _on_rank(offloaded_optimizer_body, gpu_llama_dir, str(tmp_path / "checkpoints"))
+    assert found["built"] == {"gpu": 0, "host": 4 * found["owned"]} and found["owned"] > 0
+    assert found["stepped"] == {"gpu": 0, "host": 16 * found["owned"]}
+    assert found["resumed"] is None and found["same_weights"]
 
 
 # ---- the distributed optimizer at world size 1 over NCCL ----------------------------------------
