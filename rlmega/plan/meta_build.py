@@ -283,6 +283,7 @@ def _measure_optimizer(chunks, config) -> dict:
 
     from rlmega.plan.placement import allocated_bytes, simulated_gpu, storage_key
     from rlmega.workers.model import build_optimizer
+    from rlmega.workers.optimizer_state import sub_optimizers
 
     built = _build_config(config)
     model = {storage_key(param) for chunk in chunks for param in torch.nn.Module.parameters(chunk)}
@@ -293,7 +294,7 @@ def _measure_optimizer(chunks, config) -> dict:
         optimizer, _ = build_optimizer(chunks, built.optimizer, torch.bfloat16,
                                        total_steps=built.optimizer.lr_warmup_steps + 2, gloo_groups=False)
     with simulated_gpu(meta=True):  # outside torch.device("meta"): Adam's step count stays a real CPU scalar
-        for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for inner in sub_optimizers(optimizer):
             # torch's fused CPU Adam refuses meta tensors; unfused, it allocates the same state.
             for torch_optimizer in [inner.optimizer] + list(getattr(inner.optimizer, "sub_optimizers", [])):
                 for group in torch_optimizer.param_groups:

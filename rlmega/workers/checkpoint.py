@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from rlmega.bridge.hf_checkpoint import CheckpointError
 from rlmega.bridge.torch_dist_files import check_files, find_damage, read_index
 from rlmega.models.spec import sharded_model_state
-from rlmega.workers.optimizer_state import LEGACY_METADATA, SHARDED_METADATA, for_this_optimizer
+from rlmega.workers.optimizer_state import LEGACY_METADATA, SHARDED_METADATA, for_this_optimizer, sub_optimizers
 
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "rlmega.json"
@@ -113,7 +113,7 @@ def _with_optimizer_states(optimizer) -> None:
     """Megatron's distributed optimizer describes its state for a load from the state it holds, which a
     fresh one does not have yet (without transformer-engine or apex it asserts on the missing step count):
     Megatron's own dummy states, which the load then overwrites."""
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for inner in sub_optimizers(optimizer):
         if hasattr(inner, "_init_optimizer_states_with_dummy_values") and not inner.optimizer.state:
             inner._init_optimizer_states_with_dummy_values()
 

@@ -13,6 +13,7 @@ from rlmega.models.spec import ModelSpec, build_chunks, has_transformer_engine
 from rlmega.parallel.layout import ParallelLayout
 from rlmega.workers import lm_head
 from rlmega.workers.config import OptimizerConfig, WorkerConfig
+from rlmega.workers.optimizer_state import sub_optimizers
 
 
 # Selective-recompute modules Megatron checkpoints with CheckpointWithoutOutput, which reads
@@ -148,7 +149,7 @@ def use_fused_cpu_adam(optimizer) -> int:
     on the quickstart's model). The same arithmetic, rounded the same up to an ulp. Call it again after a
     checkpoint load, which restores the saved param groups' settings. Returns the groups switched."""
     switched = 0
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for inner in sub_optimizers(optimizer):
         torch_optimizer = getattr(inner, "optimizer", None)
         if not isinstance(torch_optimizer, (torch.optim.Adam, torch.optim.AdamW)):
             continue

@@ -14,6 +14,8 @@ from typing import Iterable, Iterator
 
 import torch
 
+from rlmega.workers.optimizer_state import sub_optimizers
+
 
 @dataclasses.dataclass
 class _Saved:
@@ -48,7 +50,7 @@ def model_tensors(chunks: list) -> Iterator[torch.Tensor]:
 
 def optimizer_tensors(optimizer) -> Iterator[torch.Tensor]:
     """Master parameters and state (Adam moments) of a Megatron optimizer, chained or not."""
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for inner in sub_optimizers(optimizer):
         torch_optimizer = inner.optimizer
         for group in torch_optimizer.param_groups:
             yield from group["params"]

@@ -24,8 +24,8 @@ LEGACY_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def sub_optimizers(optimizer) -> list:
-    chain = getattr(optimizer, "chained_optimizers", None)
-    return list(chain) if chain else [optimizer]
+    """The optimizers a Megatron optimizer steps with: a chain's (dense, experts), or itself."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def _torch_state(state: dict) -> dict:
