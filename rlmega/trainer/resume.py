@@ -8,9 +8,9 @@ any part of it starts, so that a run never trains over checkpoints it was not to
 (the actor's tracker file only has to agree; where it does not, one line says why the step was chosen); actor
 iteration directories of which none is complete are refused, named. Then the saved settings are compared with these
 (``rlmega.trainer.resume_settings``): a change to what is trained is refused naming each setting, the others are
-listed; a run whose checkpoint is already at its last step is refused. ``resume=never`` over existing checkpoints
-is refused unless ``overwrite``; with it, the old checkpoints are removed at the new run's first save (a run that
-fails before that leaves them as they were).
+listed; a run whose checkpoint is past its last step is refused, one exactly at it finishes (its HF export).
+``resume=never`` over existing checkpoints is refused unless ``overwrite``; with it, the old checkpoints are removed
+at the new run's first save (a run that fails before that leaves them as they were).
 """
 
 from __future__ import annotations
