@@ -39,7 +39,13 @@ from rlmega.algos.kl import (
     kl_mse,
 )
 from rlmega.algos.policy_loss import (
+    POLICY_LOSS_CONFIGS,
     POLICY_LOSSES,
+    CISPOLossConfig,
+    ClipHigherLossConfig,
+    DualClipLossConfig,
+    GSPOLossConfig,
+    PPOLossConfig,
     cispo_policy_loss,
     clip_higher_policy_loss,
     dual_clip_policy_loss,
@@ -48,8 +54,24 @@ from rlmega.algos.policy_loss import (
     gspo_policy_loss,
     ppo_policy_loss,
 )
-from rlmega.algos.policy_loss_cov import clip_cov_policy_loss, kl_cov_policy_loss
-from rlmega.algos.policy_loss_extra import geo_mean_policy_loss, reinforce_policy_loss, sapo_policy_loss
+from rlmega.algos.policy_loss_base import (
+    BaseLossConfig,
+    PolicyLoss,
+    PolicyLossContext,
+    RatioLossConfig,
+    keyword_function,
+    loss_option_types,
+    loss_options,
+)
+from rlmega.algos.policy_loss_cov import ClipCovLossConfig, KLCovLossConfig, clip_cov_policy_loss, kl_cov_policy_loss
+from rlmega.algos.policy_loss_extra import (
+    GeoMeanLossConfig,
+    ReinforceLossConfig,
+    SAPOLossConfig,
+    geo_mean_policy_loss,
+    reinforce_policy_loss,
+    sapo_policy_loss,
+)
 from rlmega.algos.rollout_correction import (
     RolloutCorrection,
     RolloutCorrectionConfig,
@@ -57,13 +79,34 @@ from rlmega.algos.rollout_correction import (
     rollout_mismatch_metrics,
 )
 from rlmega.algos.value_loss import clipped_value_loss
-from rlmega.algos.registry import get_advantage_estimator, get_kl_estimator, get_loss_agg_mode, get_policy_loss
+from rlmega.algos.registry import (
+    get_advantage_estimator,
+    get_kl_estimator,
+    get_loss_agg_mode,
+    get_policy_loss,
+    get_policy_loss_config,
+)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
+    "POLICY_LOSS_CONFIGS",
+    "BaseLossConfig",
+    "CISPOLossConfig",
+    "ClipCovLossConfig",
+    "ClipHigherLossConfig",
+    "DualClipLossConfig",
+    "GSPOLossConfig",
+    "GeoMeanLossConfig",
+    "KLCovLossConfig",
+    "PPOLossConfig",
+    "PolicyLoss",
+    "PolicyLossContext",
+    "RatioLossConfig",
+    "ReinforceLossConfig",
+    "SAPOLossConfig",
     "RolloutCorrection",
     "RolloutCorrectionConfig",
     "AdaptiveKLController",
@@ -96,6 +139,7 @@ __all__ = [
     "get_kl_estimator",
     "get_loss_agg_mode",
     "get_policy_loss",
+    "get_policy_loss_config",
     "gspo_policy_loss",
     "kl_abs",
     "kl_cov_policy_loss",
@@ -104,6 +148,9 @@ __all__ = [
     "kl_loss",
     "kl_low_var",
     "kl_mse",
+    "keyword_function",
+    "loss_option_types",
+    "loss_options",
     "masked_whiten",
     "overlong_filter_mask",
     "overlong_reward_penalty",

@@ -65,6 +65,19 @@ def clipped_surrogate(
     return torch.maximum(unclipped_loss, clipped_loss), clipped_high, clipped_low
 
 
+def token_ratio_surrogate(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+    clip_ratio_low: float, clip_ratio_high: float, log_ratio_clamp: Optional[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's per-token clipped surrogate from log-probs: ``(log_ratio, advantages, per_token_loss, clipped_high,
+    clipped_low)``, with padding zeroed, the old log-probs and advantages detached and the log-ratio clamped."""
+    log_ratio = zero_masked(logp - old_logp.detach(), mask)
+    ratio = torch.exp(clamp_log_ratio(log_ratio, log_ratio_clamp))
+    advantages = zero_masked(advantages.detach(), mask)
+    per_token_loss, clipped_high, clipped_low = clipped_surrogate(ratio, advantages, clip_ratio_low, clip_ratio_high)
+    return log_ratio, advantages, per_token_loss, clipped_high, clipped_low
+
+
 def kl_metric(log_ratio: torch.Tensor, mask: torch.Tensor) -> Metrics:
     """``ppo_kl``: mean of ``old_logp - logp`` over the valid tokens; ``log_ratio = logp - old_logp``."""
     return {"ppo_kl": masked_mean(-log_ratio, mask)}

@@ -1,4 +1,4 @@
-"""Name -> function lookups for configuration strings; unknown names raise a ValueError listing valid ones."""
+"""Name lookups for configuration strings; unknown names raise a ValueError listing valid ones."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from rlmega.algos._utils import lookup
 from rlmega.algos.advantages import ADVANTAGE_ESTIMATORS
 from rlmega.algos.aggregation import LOSS_AGG_MODES, AggregationMode
 from rlmega.algos.kl import KL_ESTIMATORS
-from rlmega.algos.policy_loss import POLICY_LOSSES, Metrics
+from rlmega.algos.policy_loss import POLICY_LOSS_CONFIGS, POLICY_LOSSES, Metrics
+from rlmega.algos.policy_loss_base import BaseLossConfig
 
 
 def get_advantage_estimator(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
@@ -18,8 +19,13 @@ def get_advantage_estimator(name: str) -> Callable[..., tuple[torch.Tensor, torc
     return lookup(ADVANTAGE_ESTIMATORS, name, "advantage estimator")
 
 
+def get_policy_loss_config(name: str) -> type[BaseLossConfig]:
+    """The config class of the policy loss registered as ``name`` in ``POLICY_LOSS_CONFIGS``."""
+    return lookup(POLICY_LOSS_CONFIGS, name, "policy loss")
+
+
 def get_policy_loss(name: str) -> Callable[..., tuple[torch.Tensor, Metrics]]:
-    """The policy loss registered as ``name`` in ``POLICY_LOSSES``."""
+    """The keyword function of the policy loss registered as ``name`` in ``POLICY_LOSSES``."""
     return lookup(POLICY_LOSSES, name, "policy loss")
 
 

@@ -100,7 +100,7 @@ def _require(condition: bool, field: str, message: str) -> None:
 def validate(config: RLConfig):
     """Raise a UserError naming the first field, file or row that cannot work: ConfigError for a
     setting, DataFormatError for a dataset row. The data files are read and tokenized here, once: the
-    ``rlmega.data.PromptDatasets`` returned are the run's (``PromptSource(config, datasets=...)``)."""
+    ``rlmega.data.PromptDatasets`` returned are the run's (``build_prompt_side(config, datasets)``)."""
     check_settings(config)
     return check_inputs(config)
 
@@ -120,8 +120,8 @@ def check_settings(config: RLConfig) -> None:
              f"{config.algorithm.adv_estimator!r} is not one of {', '.join(sorted(algos.ADVANTAGE_ESTIMATORS))}")
     for role in ("actor", "ref", "critic"):
         loss = getattr(config, role).policy_loss
-        _require(loss.name in algos.POLICY_LOSSES, f"{role}.policy_loss.name",
-                 f"{loss.name!r} is not one of {', '.join(sorted(algos.POLICY_LOSSES))}")
+        _require(loss.name in algos.POLICY_LOSS_CONFIGS, f"{role}.policy_loss.name",
+                 f"{loss.name!r} is not one of {', '.join(sorted(algos.POLICY_LOSS_CONFIGS))}")
         _require(loss.kl_estimator in algos.KL_ESTIMATORS, f"{role}.policy_loss.kl_estimator",
                  f"{loss.kl_estimator!r} is not one of {', '.join(sorted(algos.KL_ESTIMATORS))}")
         _require(loss.loss_agg_mode in algos.LOSS_AGG_MODES, f"{role}.policy_loss.loss_agg_mode",
@@ -132,21 +132,11 @@ def check_settings(config: RLConfig) -> None:
                  f"{role}.optimizer.cpu_offload_fraction", "needs the distributed optimizer: set "
                  f"{role}.optimizer.distributed_optimizer to null or true")
     try:
-        config.actor.policy_loss.loss_kwargs()
+        config.actor.policy_loss.loss_config()
     except ValueError as error:
         raise ConfigError(f"actor.{error}") from error
-    _require(config.sync.transport == "auto" or config.sync.transport in _transports(), "sync.transport",
-             f"{config.sync.transport!r} is not one of auto, {', '.join(sorted(_transports()))}")
-    from rlmega.sync.registry import SHARDED_RDT
-
-    _require(config.sync.transport != SHARDED_RDT or config.rollout.backend == "vllm", "sync.transport",
-             f"{SHARDED_RDT} is vLLM's own weight transfer, but rollout.backend is {config.rollout.backend!r}: "
-             "set rollout.backend=vllm, or choose another transport")
-    _require(config.sync.bucket_bytes > 0 and config.sync.timeout_s > 0, "sync.bucket_bytes / sync.timeout_s",
-             "must be > 0")
-    _require(config.sync.check_every >= 1, "sync.check_every", "must be >= 1")
-    _require(config.sync.post_sync_atol is None or config.sync.post_sync_atol > 0, "sync.post_sync_atol",
-             "must be > 0 (null: chosen by the run's precision)")
+    for key, problem in config.sync.problems(config.rollout.backend, bool(config.rollout.restart_dead_engines)):
+        raise ConfigError(f"{key}: {problem}")
     _require(config.rollout.num_engines >= 1, "rollout.num_engines", "must be >= 1")
     _check_devices(config)
     rollout = config.rollout
@@ -170,9 +160,6 @@ def check_settings(config: RLConfig) -> None:
     _require(not rollout.restart_dead_engines or rollout.mode != "one_step_off", "rollout.restart_dead_engines",
              "one_step_off generates the next step while the ranks train, so they cannot give a restarted engine "
              "the weights that step is generated from; use rollout.mode=sync or async, or set it to 0")
-    _require(not rollout.restart_dead_engines or config.sync.transport != SHARDED_RDT, "rollout.restart_dead_engines",
-             f"sync.transport={SHARDED_RDT} plans its transfers for the engines of the first sync, so a restarted "
-             "engine would get no weights; choose another transport, or set it to 0")
     if config.cluster.in_process == "always":
         obstacles = config.in_process_obstacles()
         _require(not obstacles, "cluster.in_process", "always, but this run cannot run in one process: "
@@ -454,10 +441,6 @@ def _check_choices(node, prefix: str) -> None:
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "grpo_passk", "gpg", "rloo", "reinforce_plus_plus_baseline")
 
 
-def _transports() -> tuple[str, ...]:
-    from rlmega.sync.registry import SHARDED_RDT, TRANSPORTS
-
-    return (*TRANSPORTS, SHARDED_RDT)
 
 
 def to_yaml(config: RLConfig) -> str:

@@ -18,6 +18,7 @@ from rlmega.parallel.layout import LayoutConfig
 from rlmega.plan.config import PlanConfig
 from rlmega.rewards import RewardConfig
 from rlmega.rewards.judge import DEFAULT_TEMPLATE as DEFAULT_JUDGE_TEMPLATE
+from rlmega.sync.config import SyncConfig
 from rlmega.workers.config import BatchingConfig, WorkerConfig
 
 METRIC_BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
@@ -236,30 +237,6 @@ class JudgeConfig:
 
 POST_SYNC_ATOL_FP32 = 1e-3
 POST_SYNC_ATOL_BF16 = 0.5
-
-
-@dataclasses.dataclass
-class SyncConfig:
-    """The weight sync after every update: trained weights into the engines (see rlmega/sync/README.md)."""
-
-    bucket_bytes: int = 64 * 1024**2
-    """Bucket size: the export gathers and sends this many bytes at a time."""
-    transport: str = "auto"
-    """in_process | object_store | shared_memory | broadcast | auto (by where the engines run), or sharded_rdt:
-    vLLM's own transfer, each engine worker pulling only its slices from every training rank (vLLM engines;
-    needs Ray's NIXL transport; rlmega/sync/README.md)."""
-    timeout_s: float = 600.0
-    """Longest wait for one bucket (or the whole sync) before the run stops naming the engine."""
-    post_sync_check: bool = True
-    """Score greedy probes with the engine and the trainer after a sync; stop if they disagree."""
-    post_sync_atol: Optional[float] = None
-    """Largest log-prob difference (nats) the post-sync check lets through. None: by precision (see
-    ``RLConfig.post_sync_atol``): 1e-3 when trainer and engines both compute in fp32, 0.5 when either
-    computes in bf16, where two sets of kernels differ by tenths of a nat on a greedy token and a wrong
-    weight mapping by several nats."""
-    check_every: int = 1
-    """Run the post-sync check after every k-th sync (always after the run's first one): its cost is
-    one greedy generation and one forward pass of a few probe prompts."""
 
 
 @dataclasses.dataclass

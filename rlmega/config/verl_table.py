@@ -10,6 +10,8 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
 
+from rlmega.algos import POLICY_LOSS_CONFIGS, loss_options
+
 if TYPE_CHECKING:
     from rlmega.config.verl import VerlConfig
 
@@ -267,16 +269,15 @@ def _estimator(value: Any, verl: VerlConfig) -> Any:
     return ESTIMATORS[value]
 
 
-# verl's loss_mode -> rlmega's policy loss and the verl settings that loss reads.
+# verl's loss_mode -> rlmega's policy loss.
+VERL_LOSS_MODES = {"vanilla": "ppo", "gspo": "gspo", "sapo": "sapo", "gpg": "gpg", "clip_cov": "clip_cov",
+                   "kl_cov": "kl_cov", "geo_mean": "geo_mean", "cispo": "cispo"}
+# rlmega's loss options that verl has no setting for.
+OPTIONS_NOT_IN_VERL = ("log_ratio_clamp",)
+# verl's loss_mode -> rlmega's policy loss and the verl settings that loss reads (its config's options).
 VERL_POLICY_LOSSES = {
-    "vanilla": ("ppo", ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")),
-    "gspo": ("gspo", ("clip_ratio_low", "clip_ratio_high")),
-    "sapo": ("sapo", ("tau_pos", "tau_neg")),
-    "gpg": ("gpg", ()),
-    "clip_cov": ("clip_cov", ("clip_ratio_low", "clip_ratio_high", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")),
-    "kl_cov": ("kl_cov", ("kl_cov_ratio", "ppo_kl_coef")),
-    "geo_mean": ("geo_mean", ("clip_ratio_low", "clip_ratio_high")),
-    "cispo": ("cispo", ("clip_ratio_low", "clip_ratio_high")),
+    mode: (name, tuple(option for option in loss_options(POLICY_LOSS_CONFIGS[name]) if option not in OPTIONS_NOT_IN_VERL))
+    for mode, name in VERL_LOSS_MODES.items()
 }
 SEQUENCE_MEAN_LOSSES = ("gspo", "sapo", "geo_mean")
 """verl averages these per sequence whatever loss_agg_mode says."""

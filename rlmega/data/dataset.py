@@ -198,7 +198,7 @@ class PromptDataset:
 @dataclass
 class PromptDatasets:
     """A run's prompts, read and tokenized once: by the start-up checks (``rlmega.config.validate``), which hand them
-    to the run (``rlmega.trainer.prompts.PromptSource``)."""
+    to the run (``rlmega.trainer.prompt_side.build_prompt_side``)."""
 
     train: PromptDataset
     val: Optional[PromptDataset] = None

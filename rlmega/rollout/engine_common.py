@@ -1,11 +1,11 @@
 """What the vLLM and SGLang adapters share: request checks, per-sample seeds, the checkpoint's weight
-names, the version / sleep bookkeeping that makes an engine refuse to generate from mixed weights, the
-engine lock and the answer of a paused engine, the MoE layers and the conversion of an engine's routed
-experts to ``Generation.routing``, and ``EngineAdapter``, the protocol's logic around a handful of engine
-calls.
+names, the engine lock and the answer of a paused engine, the MoE layers and the conversion of an engine's
+routed experts to ``Generation.routing``, and ``EngineAdapter``, the protocol's logic around a handful of
+engine calls.
 
 Nothing here imports vLLM or SGLang; the adapters keep every engine call in their own module. ``HFEngine``
-uses the request checks and the bookkeeping too, so all three engines follow the same rules and messages.
+uses the request checks, the lock and the weight-update steps (``rlmega.rollout.weight_updates``) too, so
+all three engines follow the same rules and messages.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from rlmega.rollout.protocol import EngineNotReadyError, FinishReason, Generation, SamplingParams, UnknownWeightError
+from rlmega.rollout.protocol import FinishReason, Generation, SamplingParams, UnknownWeightError
 from rlmega.rollout.sampling import request_generator
 from rlmega.rollout.weight_group import DEFAULT_GROUP_NAME, WeightMeta
+from rlmega.rollout.weight_updates import WeightBook, WeightUpdates, check_shape
 from rlmega.data.schema import ImageInputs
 
 DEFAULT_BUCKET_BYTES = 256 * 1024**2
@@ -344,8 +345,7 @@ class CheckpointWeights:
             hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
             raise UnknownWeightError(f"unknown weight name {name!r}: not a weight of this {self.model_type} "
                                      f"checkpoint{hint}")
-        if tuple(tensor.shape) != self.shapes[slot]:
-            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {self.shapes[slot]}")
+        check_shape(name, tensor, self.shapes[slot])
         return slot
 
 
@@ -364,69 +364,6 @@ def checked_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], weights: 
             bucket, slots, size = [], set(), 0
     if bucket:
         yield bucket, slots
-
-
-class WeightBook:
-    """Versions, torn updates and sleep levels of an engine's weights (``HFEngine`` and the adapters).
-
-    A version commits only when its whole stream arrived; from the first tensor sent until then the
-    weights are mixed and ``generate`` refuses; after ``sleep(level=2)`` every on-disk name must be re-sent.
-    """
-
-    def __init__(self, names: Iterable[str]):
-        self.names = frozenset(names)
-        self.version = 0
-        self.sleep_level = 0
-        self.missing: set[str] = set()
-        self.torn_version: int | None = None
-        self.pending: int | None = None
-
-    def begin(self, version: int) -> None:
-        if isinstance(version, bool) or not isinstance(version, int) or version < self.version:
-            raise ValueError(f"version must be an int >= the current weight version {self.version}, got {version!r}")
-        self.pending = version
-
-    def sending(self) -> None:
-        """Called just before tensors leave for the engine: from here on the weights may be mixed."""
-        if self.pending is None:
-            raise RuntimeError("weights sent outside an update; call begin_update(version) first")
-        self.torn_version = self.pending
-
-    def sent(self, slots: Iterable[str]) -> None:
-        self.missing.difference_update(slots)
-
-    def commit(self) -> None:
-        if self.pending is None:
-            raise RuntimeError("commit_update called outside an update; call begin_update(version) first")
-        self.version, self.pending, self.torn_version = self.pending, None, None
-
-    def slept(self, level: int) -> None:
-        if level == 2 and self.sleep_level < 2:
-            self.missing = set(self.names)
-        self.sleep_level = max(self.sleep_level, level)
-
-    def check_ready(self) -> None:
-        if self.sleep_level:
-            resync = " and re-sync every weight with update_weights" if self.sleep_level == 2 else ""
-            raise EngineNotReadyError(f"engine is asleep (level {self.sleep_level}): call wake(){resync} first")
-        if self.missing:
-            examples = ", ".join(sorted(self.missing)[:3])
-            raise EngineNotReadyError(
-                f"{len(self.missing)} weights dropped by sleep(level=2) have not been re-synced "
-                f"(e.g. {examples}); send them with update_weights")
-        if self.torn_version is not None:
-            raise EngineNotReadyError(
-                f"the update to weight version {self.torn_version} failed part way, leaving mixed "
-                f"weights; complete an update_weights before generating")
-
-    def health(self) -> dict:
-        return {
-            "ready": not (self.sleep_level or self.missing or self.torn_version is not None),
-            "weight_version": self.version,
-            "sleep_level": self.sleep_level,
-            "missing_weights": len(self.missing),
-            "torn_update_version": self.torn_version,
-        }
 
 
 # ---------------------------------------------------------------------------------------------- adapters
@@ -465,6 +402,8 @@ class EngineAdapter(ABC):
         self.bucket_bytes = bucket_bytes
         self._engine_version = engine_version
         self._book = WeightBook(self.weights.shapes)
+        self._updates = WeightUpdates(self._book, checked_buckets=self._checked_buckets, load=self._load_bucket,
+                                      committed=self._committed)
         self._asleep_tags: set[str] = set()  # of "weights", "kv_cache"
         self._group_name = DEFAULT_GROUP_NAME
         self._group_joined = False
@@ -588,19 +527,24 @@ class EngineAdapter(ABC):
 
     @serialised
     def begin_update(self, version: int) -> None:
-        self._book.begin(version)
+        self._updates.begin(version)
 
     @serialised
     def write_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        for bucket, slots in checked_buckets(named_tensors, self.weights, self.bucket_bytes):
-            self._start_sending()
-            self._engine_load(bucket)
-            self._book.sent(slots)
+        self._updates.write(named_tensors)
 
     @serialised
     def commit_update(self) -> None:
-        version = self._book.pending
-        self._book.commit()
+        self._updates.commit()
+
+    def _checked_buckets(self, named_tensors: Iterable[tuple[str, torch.Tensor]]):
+        return checked_buckets(named_tensors, self.weights, self.bucket_bytes)
+
+    def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        self._prepare_engine()
+        self._engine_load(bucket)
+
+    def _committed(self, version: int) -> None:
         if self._update_open:
             self._engine_close_update(version)
             self._update_open = False
@@ -633,14 +577,13 @@ class EngineAdapter(ABC):
         slots = {self.weights.check(name, torch.empty(shape, device="meta")) for name, _, shape in metas}
         if not metas:
             return
-        self._start_sending()
-        self._engine_receive(metas, self._group_name)
-        self._book.sent(slots)
+        with self._updates.sending(slots):
+            self._prepare_engine()
+            self._engine_receive(metas, self._group_name)
 
-    def _start_sending(self) -> None:
-        """Before a bucket leaves: weights mapped, the version marked torn, the engine's session open."""
+    def _prepare_engine(self) -> None:
+        """Before a bucket reaches the engine: its weights mapped, its update session open."""
         self._wake_weights()
-        self._book.sending()
         if not self._update_open:
             self._engine_open_update()
             self._update_open = True

@@ -17,13 +17,14 @@ from collections.abc import Iterable, Sequence
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, DynamicCache, PreTrainedModel
 
-from rlmega.rollout.engine_common import WeightBook, check_requests, paused_generations, runs_model, serialised
+from rlmega.rollout.engine_common import check_requests, paused_generations, runs_model, serialised
 from rlmega.rollout.hf_routing import RoutingRecorder, routing_or_none
 from rlmega.rollout.hf_weights import HFWeightMap, WeightTarget
 from rlmega.models.vision_language import VISION_LANGUAGE_MODEL_TYPES, mrope_positions, vision_spec_from_hf
 from rlmega.rollout.protocol import Generation, SamplingParams
 from rlmega.data.schema import ImageInputs
 from rlmega.rollout.sampling import RowSampling, request_generator, select_next_tokens
+from rlmega.rollout.weight_updates import WeightBook, WeightUpdates, check_shape
 
 PAD_TOKEN_ID = 0  # left padding is masked out, so any in-vocabulary id works
 
@@ -73,6 +74,7 @@ class HFEngine:
         # Versions, torn updates, sleep level (0 awake; 1 weights on host; 2 weights dropped) and the
         # on-disk names not re-sent since sleep(level=2).
         self._book = WeightBook(self._weights.slots)
+        self._updates = WeightUpdates(self._book, checked_buckets=self._checked_tensors, load=self._write)
         self._dropped: set[str] = set()  # tensors whose storage sleep(level=2) freed
         self._lock = threading.RLock()
         self._paused = threading.Event()  # checked between decoding steps
@@ -217,26 +219,26 @@ class HFEngine:
 
     @serialised
     def begin_update(self, version: int) -> None:
-        self._book.begin(version)
+        self._updates.begin(version)
 
     @serialised
     def write_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if self._book.pending is None:
-            raise RuntimeError("write_weights called outside an update; call begin_update(version) first")
-        for name, tensor in named_tensors:
-            target = self._weights.resolve(name)
-            if tuple(tensor.shape) != target.shape:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {target.shape}")
-            # From the first write until commit the weights are mixed: generate refuses.
-            self._book.sending()
-            self._write(target, tensor)
+        self._updates.write(named_tensors)
 
     @serialised
     def commit_update(self) -> None:
-        self._book.commit()
+        self._updates.commit()
+
+    def _checked_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]):
+        """Each tensor a bucket of its own, checked as it arrives: nothing of the stream is held beyond it."""
+        for name, tensor in named_tensors:
+            target = self._weights.resolve(name)
+            check_shape(name, tensor, target.shape)
+            yield (target, tensor), target.slots
 
     @torch.no_grad()
-    def _write(self, target: WeightTarget, tensor: torch.Tensor) -> None:
+    def _write(self, bucket: tuple[WeightTarget, torch.Tensor]) -> None:
+        target, tensor = bucket
         weight = self._weights.tensors[target.tensor_name]
         if target.tensor_name in self._dropped:  # re-allocate where it lives; wake() moves it to the device
             weight.data = torch.empty(self._weights.shapes[target.tensor_name], dtype=weight.dtype,
@@ -245,7 +247,6 @@ class HFEngine:
         weight.data[target.index].copy_(tensor)
         if self._noise_std:
             self._perturb(weight.data[target.index])
-        self._book.sent(target.slots)
 
     def _perturb(self, weight: torch.Tensor) -> None:
         noise = torch.randn(weight.shape, generator=self._noise, device=weight.device, dtype=torch.float32)

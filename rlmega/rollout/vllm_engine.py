@@ -374,8 +374,9 @@ class VLLMEngine(EngineAdapter):
     def native_transfer_start(self, version: int) -> None:
         """Open vLLM's update as ``version``: from here until ``native_transfer_finish`` the weights are mixed."""
         self._require_native()
-        self._book.begin(version)
-        self._start_sending()  # as for any update: weights woken, the version marked torn, vLLM's update opened
+        self._updates.begin(version)
+        self._book.sending()  # as for any update: the version marked torn, weights woken, vLLM's update opened
+        self._prepare_engine()
 
     @serialised
     def native_transfer_update(self, update_info: dict) -> None:

@@ -10,19 +10,16 @@ from typing import Callable, Sequence
 
 from rlmega.sync.broadcast import BroadcastTransport
 from rlmega.sync.shared_memory import SharedMemoryTransport
-from rlmega.sync.transports import DEFAULT_TIMEOUT_S, HandOffTransport, Transport
+from rlmega.sync.transports import DEFAULT_TIMEOUT_S, BucketTransport, EngineProcess, HandOffTransport
 
 
-def _hand_off(name: str) -> Callable[..., Transport]:
+def _hand_off(name: str) -> Callable[..., BucketTransport]:
     return lambda *, bucket_bytes, timeout_s: HandOffTransport(name=name, timeout_s=timeout_s)
 
 
-# vLLM's own weight transfer (rlmega.sync.vllm_sharded), a sync.transport that is not a Transport: the
-# training ranks drive it, each engine worker pulling its slices.
-SHARDED_RDT = "sharded_rdt"
-
-# name -> factory(bucket_bytes=, timeout_s=), with each transport's defaults for everything else.
-TRANSPORTS: dict[str, Callable[..., Transport]] = {
+# name -> factory(bucket_bytes=, timeout_s=), with each transport's defaults for everything else. (vLLM's own
+# sharded_rdt is not a bucket transport: see rlmega.sync.config.)
+TRANSPORTS: dict[str, Callable[..., BucketTransport]] = {
     "in_process": _hand_off("in_process"),
     "object_store": _hand_off("object_store"),
     "shared_memory": SharedMemoryTransport,
@@ -30,8 +27,8 @@ TRANSPORTS: dict[str, Callable[..., Transport]] = {
 }
 
 
-def make_transport(transport: "str | Transport", engines: Sequence, *, bucket_bytes: int,
-                   timeout_s: float = DEFAULT_TIMEOUT_S) -> Transport:
+def make_transport(transport: "str | BucketTransport", engines: Sequence, *, bucket_bytes: int,
+                   timeout_s: float = DEFAULT_TIMEOUT_S) -> BucketTransport:
     """A transport by name (``TRANSPORTS``, or ``"auto"``), or ``transport`` itself if it is one.
 
     ``auto``: ``in_process`` for an engine object in this process; for engines in other processes,
@@ -41,7 +38,7 @@ def make_transport(transport: "str | Transport", engines: Sequence, *, bucket_by
     if not isinstance(transport, str):
         return transport
     if transport == "auto":
-        remote = [engine for engine in engines if hasattr(engine, "start_update")]
+        remote = [engine for engine in engines if isinstance(engine, EngineProcess)]
         if not remote:
             transport = "in_process"
         else:
@@ -51,12 +48,12 @@ def make_transport(transport: "str | Transport", engines: Sequence, *, bucket_by
     return TRANSPORTS[transport](bucket_bytes=bucket_bytes, timeout_s=timeout_s)
 
 
-_KEPT: "OrderedDict[tuple, Transport]" = OrderedDict()
+_KEPT: "OrderedDict[tuple, BucketTransport]" = OrderedDict()
 _MAX_KEPT = 8
 
 
 def kept_transport(transport: str, engines: Sequence, *, bucket_bytes: int,
-                   timeout_s: float = DEFAULT_TIMEOUT_S) -> Transport:
+                   timeout_s: float = DEFAULT_TIMEOUT_S) -> BucketTransport:
     """``make_transport(transport, engines, ...)``, made once per set of engines (and settings) in this
     process and reused for every later update into them. Engines are told apart by their ``key`` (an
     engine actor's id: a rank gets new ``RemoteEngine`` handles with every call); with an engine that has
@@ -69,5 +66,5 @@ def kept_transport(transport: str, engines: Sequence, *, bucket_bytes: int,
     _KEPT[key] = kept
     while len(_KEPT) > _MAX_KEPT:
         _, dropped = _KEPT.popitem(last=False)
-        getattr(dropped, "release", lambda: None)()
+        dropped.release()
     return kept

@@ -1,10 +1,10 @@
 """How a weight update travels from the trainer's sending rank into rollout engines.
 
-A ``Transport`` is the sender's side of one update. Its life: ``open(engines, version)`` starts each
-engine receiving (in the engine's own process), ``send(bucket)`` ships one bucket of
-``(hf_name, tensor)``, ``finish()`` ends the stream and waits until every engine has committed the
-version, ``abort(reason)`` tells the receivers the update failed, and ``close()`` releases
-everything (always called). ``stream_update`` runs that life around an iterable of buckets.
+A ``BucketTransport`` is the sender's side of one bucketed update (on the rank that gathered the model).
+Its life: ``open(engines, version)`` starts each engine receiving (in the engine's own process),
+``send(bucket)`` ships one bucket of ``(hf_name, tensor)``, ``finish()`` ends the stream and waits until
+every engine has committed the version, ``abort(reason)`` tells the receivers the update failed, and
+``close()`` ends the update (always called); ``release()`` lets go of what it kept for the next one. ``stream_update`` runs that life around an iterable of buckets.
 
 ``send`` returns while its bucket is still in transit, so the caller builds bucket n+1 (TP gather,
 packing) while bucket n is moved and copied in; it blocks before a third bucket would be in flight.
@@ -24,7 +24,8 @@ The receiving side of ``shared_memory`` and ``broadcast`` is a small picklable i
 into the engine's process and handed to the engine's ``update_weights`` there, which consumes it
 like any other stream and commits the version only when it ends cleanly.
 
-The transports by name, ``auto`` and the transports kept for later updates are in ``rlmega.sync.registry``.
+The transports by name, ``auto`` and the transports kept for later updates are in ``rlmega.sync.registry``;
+``rlmega.sync.weight_sync.GatheredTransport`` streams the bridge's export through one of them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from __future__ import annotations
 import threading
 import traceback
 from concurrent.futures import Future
-from typing import Callable, Iterable, Optional, Protocol, Sequence
+from typing import Callable, Iterable, Optional, Protocol, Sequence, runtime_checkable
 
 from rlmega.sync.buckets import NamedTensors
 from rlmega.sync.control import Watch
@@ -41,8 +42,21 @@ from rlmega.sync.errors import TransportError
 DEFAULT_TIMEOUT_S = 600.0
 
 
-class Transport(Protocol):
-    """The sender's side of one weight update; see the module docstring."""
+@runtime_checkable
+class EngineProcess(Protocol):
+    """An engine in a process of its own (``rlmega.trainer.engine_actor.RemoteEngine``), as the transports see it;
+    an engine object in this process is any ``RolloutEngine``. Its ``key`` attribute, if any, tells engines apart
+    (a Ray actor id): transports are kept per set of engines by it."""
+
+    def start_update(self, named_tensors: Iterable, version: int) -> Future:
+        """``update_weights(named_tensors, version)`` in the engine's process, in the background."""
+
+    def is_local(self) -> bool:
+        """Whether the engine's process runs on this host."""
+
+
+class BucketTransport(Protocol):
+    """The sender's side of one bucketed weight update; see the module docstring."""
 
     name: str
 
@@ -58,8 +72,11 @@ class Transport(Protocol):
         """The end of an update (always called); what the transport keeps for the next is its own
         choice, except after a failed update, which leaves nothing behind."""
 
+    def release(self) -> None:
+        """Let go of what ``close`` kept for the next update (a region, a group): no more updates follow."""
 
-def stream_update(transport: Transport, engines: Sequence, buckets: Iterable[NamedTensors], version: int) -> None:
+
+def stream_update(transport: BucketTransport, engines: Sequence, buckets: Iterable[NamedTensors], version: int) -> None:
     """Send every bucket of ``buckets`` into ``engines`` as ``version``; returns once they committed it."""
     try:
         transport.open(engines, version)
@@ -75,11 +92,10 @@ def stream_update(transport: Transport, engines: Sequence, buckets: Iterable[Nam
 
 def start_update(engine, named_tensors: Iterable, version: int) -> Future:
     """Run ``engine.update_weights(named_tensors, version)`` in the engine's process, in the
-    background. An engine in another process offers ``start_update`` (``RemoteEngine``: a Ray call,
-    ``named_tensors`` pickled into the actor); an engine object here runs on a daemon thread."""
-    remote_start = getattr(engine, "start_update", None)
-    if remote_start is not None:
-        return remote_start(named_tensors, version)
+    background: an ``EngineProcess`` starts it there (``RemoteEngine``: a Ray call, ``named_tensors`` pickled
+    into the actor); an engine object here runs it on a daemon thread."""
+    if isinstance(engine, EngineProcess):
+        return engine.start_update(named_tensors, version)
     return in_thread(engine.update_weights, named_tensors, version)
 
 
@@ -187,6 +203,9 @@ class HandOffTransport:
 
     def close(self) -> None:
         self._handoffs, self._watch = [], None
+
+    def release(self) -> None:
+        pass  # keeps nothing between updates
 
     def _idle(self) -> bool:
         return all(handoff.idle() for handoff in self._handoffs)

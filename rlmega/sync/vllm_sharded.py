@@ -32,9 +32,9 @@ from rlmega.bridge.pieces import piece_layout
 from rlmega.models.spec import ModelSpec
 from rlmega.rollout.vllm_weight_source import megatron_weight_source
 from rlmega.sync.errors import TransportError
-from rlmega.sync.registry import SHARDED_RDT
+from rlmega.sync.config import SHARDED_RDT
 from rlmega.sync.transports import DEFAULT_TIMEOUT_S, in_thread
-from rlmega.sync.weight_sync import SyncStats, require_version
+from rlmega.sync.stats import SyncStats
 
 
 def _call(engine, method: str, *args) -> Future:
@@ -107,7 +107,10 @@ class ShardedSync:
     Collective: construct it and call ``push`` on every trainer rank, in the same order, with ``engines`` on
     rank 0 (the sender) and None on the others. ``settings`` go to ``ShardedRDTTrainerInitInfo``
     (``num_rdt_buffers``, ``buffer_presize_gb``, ``gather_lookahead``, ``trainer_actor_namespace``);
-    ``timeout_s`` bounds every engine call and is the producers' stall timeout."""
+    ``timeout_s`` bounds every engine call and is the producers' stall timeout. A ``Transport`` of
+    ``rlmega.sync.weight_sync``."""
+
+    name = SHARDED_RDT
 
     def __init__(self, chunks: list, spec: ModelSpec, engines: Optional[Sequence], *,
                  timeout_s: float = DEFAULT_TIMEOUT_S, **settings):
@@ -133,15 +136,12 @@ class ShardedSync:
         self.sender = WeightTransferTrainerFactory.trainer_init(
             info, client=self.client, source=megatron_weight_source(chunks, spec))
 
-    def push(self, version: int, *, check_version: bool = True) -> SyncStats:
+    def push(self, version: int) -> SyncStats:
         """Serve this model to the engines as ``version``; on rank 0, returns once every engine committed it."""
         started = time.perf_counter()
         if self.engines:
             self.client.version = version
         self.sender.send_weights()
-        if self.engines and check_version:
-            for engine in self.engines:
-                require_version(engine, version)
         return SyncStats(version=version, tensors=self.tensors, bytes=self.bytes,
                          seconds=time.perf_counter() - started, transport=SHARDED_RDT if self.engines else None)
 

@@ -1,46 +1,43 @@
-"""Trained Megatron weights -> rollout engines, versioned and checked.
+"""Trained Megatron weights -> rollout engines, versioned: the run's ``WeightSync`` and the ways it moves weights.
 
-``push_weights`` streams the bridge's bucketed export, bucket by bucket, through a transport
-(``rlmega.sync.transports``) into the engine(s) held by one rank (the other ranks take part in the
-export's collectives and drop the tensors); the transport ships bucket n while the export builds
-bucket n+1. ``require_version`` is the trainer's check that an engine serves the version it
-expects. ``post_sync_check`` then lets the engine generate greedily from probe prompts and scores
-the same tokens with the trainer's model: if the engine's log-probs disagree, the weights it serves
-are not the trained ones (a wrong mapping, a missed bucket) and the run stops loudly instead of
-training on samples from the wrong policy.
+A training rank's ``WeightSync`` is built once from the ``sync`` config (``SyncConfig.build``), with the engines
+it feeds, and serves every update of the run: ``push(version)`` moves the weights through the ``Transport`` chosen
+at construction, ``check(probes, version)`` runs the post-sync check. Both are collective over the model's ranks.
+
+A ``Transport`` here is one whole way of moving a model (collective): ``GatheredTransport`` runs the bridge's
+bucketed export and streams rank 0's buckets through a bucket transport (``rlmega.sync.transports``: in-process,
+object store, shared memory, broadcast), bucket n shipped while bucket n+1 is built; ``ShardedSync``
+(``rlmega.sync.vllm_sharded``) has every rank serve its own slices to vLLM's workers. The version an engine
+serves is the engine's own record (``weight_version``); ``require_version`` compares it with what was pushed.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from typing import Iterable, Iterator, Optional, Sequence, Union
-
-import torch
-import torch.distributed as dist
+from typing import Iterable, Iterator, Optional, Protocol, Sequence, Union
 
 from rlmega.bridge import DEFAULT_BUCKET_BYTES
 from rlmega.bridge.export import export_hf_buckets
 from rlmega.models.spec import ModelSpec
-from rlmega.rollout.protocol import RolloutEngine, SamplingParams
+from rlmega.rollout.protocol import RolloutEngine
 from rlmega.sync.buckets import NamedTensors, nbytes_of
+from rlmega.sync.config import SHARDED_RDT, SyncConfig
 from rlmega.sync.errors import StaleWeightsError, WeightSyncError
-from rlmega.sync.registry import kept_transport
-from rlmega.sync.transports import DEFAULT_TIMEOUT_S, Transport, stream_update
-from rlmega.workers.forward import sequence_logprobs
+from rlmega.sync.post_sync_check import PostSyncCheck
+from rlmega.sync.stats import SyncStats
+from rlmega.sync.registry import kept_transport, make_transport
+from rlmega.sync.transports import DEFAULT_TIMEOUT_S, BucketTransport, stream_update
 
 
-@dataclasses.dataclass(frozen=True)
-class SyncStats:
-    version: int
-    tensors: int
-    bytes: int
-    seconds: float
-    transport: Optional[str] = None  # None on the ranks that hold no engine
+class Transport(Protocol):
+    """One way of moving this rank's model into the engines; collective over the model's ranks."""
 
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+    name: str
+
+    def push(self, version: int) -> SyncStats:
+        """Move the weights; on the sending rank, returns once every engine committed ``version``."""
+
+    def close(self) -> None: ...
 
 
 def require_version(engine: RolloutEngine, expected: int) -> None:
@@ -57,95 +54,101 @@ def _counted(buckets: Iterable[NamedTensors], totals: dict) -> Iterator[NamedTen
         yield bucket
 
 
+class GatheredTransport:
+    """The bridge's export, gathered to ``engine_rank``, which streams it bucket by bucket into its ``engines``
+    (None on the other ranks, which take part in the export's collectives and drop the tensors) through
+    ``buckets``, a bucket transport."""
+
+    def __init__(self, chunks: list, spec: ModelSpec, engines: Optional[Sequence], buckets: Optional[BucketTransport],
+                 *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, engine_rank: int = 0):
+        self.chunks, self.spec, self.bucket_bytes, self.engine_rank = chunks, spec, bucket_bytes, engine_rank
+        self.engines = list(engines) if engines is not None else None
+        self.buckets = buckets
+        self.name = buckets.name if buckets is not None else "gathered"
+
+    def push(self, version: int) -> SyncStats:
+        """If the bucket transport fails, this rank still runs the export to its end (the other ranks are in its
+        collectives), then raises ``TransportError``; the engine then refuses to generate until a later update
+        completes."""
+        totals = {"tensors": 0, "bytes": 0}
+        started = time.perf_counter()
+        buckets = _counted(export_hf_buckets(self.chunks, self.spec, bucket_bytes=self.bucket_bytes,
+                                             destinations=[self.engine_rank]), totals)
+        if self.engines is None:
+            for _ in buckets:
+                pass
+            return SyncStats(version=version, seconds=time.perf_counter() - started, **totals)
+        try:
+            stream_update(self.buckets, self.engines, buckets, version)
+        except WeightSyncError:
+            for _ in buckets:  # leave no rank waiting in the export's collectives
+                pass
+            raise
+        return SyncStats(version=version, seconds=time.perf_counter() - started, transport=self.name, **totals)
+
+    def close(self) -> None:
+        release = getattr(self.buckets, "release", None)  # a kept region or group, if the transport holds one
+        if release is not None:
+            release()
+
+
+class WeightSync:
+    """A run's weight sync on one training rank: its transport, chosen once, and the post-sync check."""
+
+    def __init__(self, transport: Transport, check: PostSyncCheck):
+        self.transport, self._check = transport, check
+        self.pushed_version: Optional[int] = None
+        """The version of the last push that completed: what these ranks' weights are, for an engine that joins
+        later (the engines' own records say what they serve)."""
+
+    @classmethod
+    def build(cls, config: SyncConfig, chunks: list, spec: ModelSpec, engines: Optional[list], *,
+              atol: float) -> WeightSync:
+        """This training rank's weight sync into ``engines`` (on rank 0, the sender; None on the other ranks), with
+        its transport chosen now, once, and the post-sync check at tolerance ``atol``. Collective."""
+        if config.transport == SHARDED_RDT:
+            from rlmega.sync.vllm_sharded import ShardedSync
+
+            transport: Transport = ShardedSync(chunks, spec, engines, timeout_s=config.timeout_s)
+        else:
+            buckets = None if engines is None else make_transport(
+                config.transport, engines, bucket_bytes=config.bucket_bytes, timeout_s=config.timeout_s)
+            transport = GatheredTransport(chunks, spec, engines, buckets, bucket_bytes=config.bucket_bytes)
+        return cls(transport, PostSyncCheck(chunks, spec, engines, atol))
+
+    def push(self, version: int) -> SyncStats:
+        """The trained weights into every engine as ``version``; this rank's share of the bytes moved."""
+        stats = self.transport.push(version)
+        self.pushed_version = version
+        return stats
+
+    def check(self, probes: list[list[int]], version: int) -> float:
+        """The post-sync check on ``probes``: the largest log-prob difference between engines and trainer;
+        ``WeightSyncError`` above the tolerance, ``StaleWeightsError`` if an engine answered with another version."""
+        return self._check.run(probes, version)
+
+    def close(self) -> None:
+        self.transport.close()
+
+
 def push_weights(
     chunks: list, spec: ModelSpec, engine: Union[RolloutEngine, Sequence[RolloutEngine], None], version: int, *,
-    engine_rank: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, transport: Union[str, Transport] = "auto",
-    timeout_s: float = DEFAULT_TIMEOUT_S, check_version: bool = True,
+    engine_rank: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, transport: Union[str, BucketTransport] = "auto",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> SyncStats:
-    """Stream this model's HF weights into ``engine`` as ``version``. Collective; ``engine`` is the
-    engine (or a list of engines) on ``engine_rank`` and None elsewhere (only that rank receives the
-    tensors). ``transport`` is a name from ``rlmega.sync.TRANSPORTS``, ``"auto"`` (in-process for an
-    engine object here, shared memory for engine actors on this host, Ray's object store for the
-    others) or a configured ``Transport``; a transport given by name is made once per set of engines
-    in this process and kept for the next syncs (``kept_transport``). ``timeout_s`` bounds every wait on
-    an engine. ``check_version``: ask every engine which version it serves afterwards (one more call
-    each; a caller that asks all engines itself right after can leave it to that).
-
-    If the transport fails, this rank still runs the export to its end (the other ranks are in its
-    collectives), then raises ``TransportError``; the engine then refuses to generate until a later
-    update completes. Returns what reached this rank and how fast.
-    """
-    totals = {"tensors": 0, "bytes": 0}
-    started = time.perf_counter()
-    buckets = _counted(export_hf_buckets(chunks, spec, bucket_bytes=bucket_bytes, destinations=[engine_rank]), totals)
-    if engine is None:
-        for _ in buckets:
-            pass
-        return SyncStats(version=version, seconds=time.perf_counter() - started, **totals)
-    engines = list(engine) if isinstance(engine, (list, tuple)) else [engine]
-    chosen = transport if not isinstance(transport, str) else kept_transport(
-        transport, engines, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
-    try:
-        stream_update(chosen, engines, buckets, version)
-    except WeightSyncError:
-        for _ in buckets:  # leave no rank waiting in the export's collectives
-            pass
-        raise
-    if check_version:
-        for each in engines:
-            require_version(each, version)
-    return SyncStats(version=version, seconds=time.perf_counter() - started, transport=chosen.name, **totals)
-
-
-@torch.no_grad()
-def post_sync_check(
-    chunks: list,
-    spec: ModelSpec,
-    engine: Optional[RolloutEngine],
-    prompts: list[list[int]],
-    *,
-    engine_rank: int = 0,
-    max_new_tokens: int = 8,
-    atol: float = 1e-3,
-    version: Optional[int] = None,
-) -> float:
-    """Greedy probe generations from the engine, re-scored by the trainer; returns the largest
-    log-prob difference and raises WeightSyncError above ``atol``. Collective over the model's ranks.
-    With ``version``, the probes must also have been generated by that weight version
-    (``StaleWeightsError`` otherwise, on every rank).
-
-    ``atol`` must cover the numerical gap between the engine's kernels and the trainer's (about
-    1e-5 for fp32 on CPU, much more for bf16 on GPU); a wrong mapping is off by orders of magnitude.
-    """
-    payload = [None]
-    if dist.get_rank() == engine_rank:
-        generations = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
-        payload = [([(list(g.response_token_ids), list(g.logprobs)) for g in generations],
-                    min(g.weight_version for g in generations))]
-    dist.broadcast_object_list(payload, src=engine_rank)
-    probes, served = payload[0]
-    if version is not None and served != version:
-        raise StaleWeightsError(served, version, "the engine (in its probe generations)")
-    sequences, engine_logprobs = [], []
-    for prompt, (response, logprobs) in zip(prompts, probes):
-        sequences.append(torch.tensor(prompt + response))
-        engine_logprobs.append(torch.tensor(logprobs))
-    trainer_logprobs = sequence_logprobs(chunks, spec, sequences)
-    worst = 0.0
-    for prompt, engine_lp, trainer_lp in zip(prompts, engine_logprobs, trainer_logprobs):
-        response_lp = trainer_lp[len(prompt) - 1 :]
-        # NaN compares false with everything, so a blown-up model would pass a plain threshold test.
-        for side, values in (("trainer", response_lp), ("engine", engine_lp)):
-            if not torch.isfinite(values).all():
-                raise WeightSyncError(
-                    f"post-sync check failed: the {side}'s log-probs on the probe prompts are not finite "
-                    "(inf or nan): the trained weights blew up (a learning rate too high, or a skipped "
-                    "non-finite step followed by more); resume from an earlier checkpoint with a lower lr"
-                )
-        worst = max(worst, (response_lp - engine_lp).abs().max().item())
-    if worst > atol:
-        raise WeightSyncError(
-            f"post-sync check failed: engine and trainer log-probs differ by up to {worst:.3g} (> {atol:g}) "
-            "on the probe prompts; the engine is not serving the trained weights"
-        )
-    return worst
+    """One update outside a run's ``WeightSync`` (scripts, benchmarks): this model's HF weights into ``engine`` as
+    ``version``, then a check that every engine serves it. Collective; ``engine`` is the engine (or a list of
+    engines) on ``engine_rank`` and None elsewhere. ``transport`` is a name from ``rlmega.sync.TRANSPORTS``,
+    ``"auto"`` (in-process for an engine object here, shared memory for engine actors on this host, Ray's object
+    store for the others) or a configured bucket transport; one given by name is made once per set of engines in
+    this process and kept for the next updates (``kept_transport``). ``timeout_s`` bounds every wait on an engine."""
+    engines = None if engine is None else list(engine) if isinstance(engine, (list, tuple)) else [engine]
+    buckets = None
+    if engines is not None:
+        buckets = transport if not isinstance(transport, str) else kept_transport(
+            transport, engines, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+    stats = GatheredTransport(chunks, spec, engines, buckets, bucket_bytes=bucket_bytes,
+                              engine_rank=engine_rank).push(version)
+    for each in engines or ():
+        require_version(each, version)
+    return stats

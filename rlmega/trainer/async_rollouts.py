@@ -24,17 +24,22 @@ import dataclasses
 import threading
 import time
 from concurrent import futures
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from rlmega import algos
 from rlmega.agent.loop import AgentState
-from rlmega.config.schema import RLConfig
 from rlmega.data.schema import PromptRecord
 from rlmega.rollout.protocol import Generation, SamplingParams
-from rlmega.trainer.prompts import Group, PromptSource, Rollouts
+from rlmega.trainer.batch_assembly import BatchAssembler, Group, Rollouts
+from rlmega.trainer.generation import ResponseGenerator
+from rlmega.trainer.prompt_data import PromptData
 from rlmega.trainer.remote import WorkerFailure, failure_of
+from rlmega.trainer.scoring import Scorer, generation_metrics
+
+if TYPE_CHECKING:  # the schedules build this one: a type only, no import at run time
+    from rlmega.trainer.schedules import ScheduleConfig
 
 _POLL_S = 0.05
 
@@ -77,17 +82,20 @@ class _Done:
 
 
 class AsyncRollouts:
-    """``RolloutSchedule`` of the asynchronous mode; ``engines`` is a ``RolloutGroup`` (``submit``,
+    """``RolloutSchedule`` of the asynchronous mode: prompts from ``data``, responses from ``generator``, scores
+    from ``scorer``, batches from ``assembler``; ``engines`` is a ``RolloutGroup`` (``submit``,
     ``pause_generation``, ``resume_generation``, ``num_engines``) or a fake with the same methods."""
 
-    def __init__(self, config: RLConfig, prompts: PromptSource, engines):
-        self.config, self.prompts, self.engines = config, prompts, engines
+    def __init__(self, config: ScheduleConfig, data: PromptData, generator: ResponseGenerator, scorer: Scorer,
+                 assembler: BatchAssembler, engines):
+        self.config, self.engines = config, engines
+        self.data, self.generator, self.scorer, self.assembler = data, generator, scorer, assembler
         self.restarts = engines.restarts
         """``rollout.restart_dead_engines`` (``RolloutGroup.restarts``): None, a dead engine stops the run."""
-        self.agent = prompts.agent
-        self.per_step = config.trainer.prompts_per_step
-        self.staleness = config.rollout.max_staleness
-        self.timeout_s = config.cluster.timeout_s
+        self.agent = generator.agent
+        self.per_step = config.prompts_per_step
+        self.staleness = config.max_staleness
+        self.timeout_s = config.timeout_s
         self._lock = threading.Condition()
         self._version = 0
         self._paused = True  # until the first resume (after the first weight sync)
@@ -126,7 +134,7 @@ class AsyncRollouts:
                     finally:
                         self._lock.acquire()
                     continue
-                if self._equal_streak > self.config.algorithm.max_generation_rounds * self.per_step:
+                if self._equal_streak > self.config.max_generation_rounds * self.per_step:
                     raise RuntimeError(
                         f"step {step}: {self._equal_streak} prompt groups in a row had equal scores, "
                         "nothing to train on; raise rollout.n or turn off algorithm.dynamic_sampling")
@@ -148,7 +156,7 @@ class AsyncRollouts:
         groups = [Group(done.group.record, done.generations, done.scores,
                         token_versions=[torch.tensor(r.all_versions, dtype=torch.long) for r in done.group.responses])
                   for done in taken]
-        return self.prompts.assemble(groups, metrics)
+        return self.assembler.assemble(groups, metrics)
 
     def pause(self) -> None:
         """Stop handing out work, interrupt what is in flight and wait until the engines are idle."""
@@ -186,9 +194,9 @@ class AsyncRollouts:
     def state_dict(self) -> dict:
         with self._lock:
             watermark = self._watermark()
-            return {**self.prompts.state_dict(), "async": {
+            return {**self.data.state_dict(), "async": {
                 "batch": watermark,
-                "sampler": self._batch_states.get(watermark, self.prompts.sampler.state_dict()),
+                "sampler": self._batch_states.get(watermark, self.data.sampler.state_dict()),
                 "consumed": sorted(d for d in self._consumed if d >= watermark * self.per_step),
                 "trained_groups": self._trained_groups,
             }}
@@ -196,10 +204,10 @@ class AsyncRollouts:
     def load_state_dict(self, state: dict) -> None:
         saved = state.get("async")
         if saved is None:  # a checkpoint of a synchronous run: carry on from its prompt position
-            self.prompts.load_state_dict(state)
+            self.data.load_state_dict(state)
             self._trained_groups = self._live = int(state.get("step", 0)) * self.per_step
             return
-        self.prompts.sampler.load_state_dict(saved["sampler"])
+        self.data.sampler.load_state_dict(saved["sampler"])
         self._next_batch = saved["batch"]
         self._consumed = set(saved["consumed"])
         self._trained_groups = self._live = saved["trained_groups"]
@@ -273,16 +281,16 @@ class AsyncRollouts:
         limit = (self._version + self.staleness + 1) * self.per_step
         while self._live < limit:
             draw, index = self._draw()
-            record = self.prompts.dataset.batch([index])[0]
-            group = _Group(draw, record, self._responses(record, self.config.rollout.n))
+            record = self.data.dataset.batch([index])[0]
+            group = _Group(draw, record, self._responses(record, self.config.n))
             self._pending.extend((group, sample) for sample in range(len(group.responses)))
             self._live += 1
 
     def _draw(self) -> tuple[int, int]:
         while not self._drawn:
             batch = self._next_batch
-            self._batch_states[batch] = self.prompts.sampler.state_dict()
-            indices = self.prompts.sampler.next_batch()
+            self._batch_states[batch] = self.data.sampler.state_dict()
+            indices = self.data.sampler.next_batch()
             self._drawn = [(batch * self.per_step + offset, index) for offset, index in enumerate(indices)
                            if batch * self.per_step + offset not in self._consumed]
             self._next_batch += 1
@@ -320,10 +328,8 @@ class AsyncRollouts:
             self._in_flight[future] = (engine, work, time.perf_counter())
 
     def _params(self, group: _Group, sample: int, response: _Response) -> SamplingParams:
-        base = self.prompts.sampling_params(temperature=self.config.rollout.temperature, n=1, seed=None)
-        seed = (self.config.trainer.seed * 1_000_003 + group.draw * 7_919 + sample * 104_729
-                + (response.segments + 64 * group.attempt) * 15_485_863) % (2**31)
-        return dataclasses.replace(base, max_new_tokens=base.max_new_tokens - len(response.tokens), seed=seed)
+        return self.generator.request_params(group.draw, sample, response.segments + 64 * group.attempt,
+                                             len(response.tokens))
 
     def _responses(self, record: PromptRecord, count: int) -> list[_Response]:
         if self.agent is None:
@@ -341,7 +347,7 @@ class AsyncRollouts:
             response = group.responses[sample]
             response.segments += 1
             self._window.generated_tokens += len(generation.response_token_ids)
-            if generation.finish_reason == "abort" and self.config.rollout.partial_rollout == "restart":
+            if generation.finish_reason == "abort" and self.config.partial_rollout == "restart":
                 self._window.restarted += 1
                 # A trajectory restarts its turn: the turns before it are whole.
                 group.responses[sample] = response = _Response(segments=response.segments, agent=response.agent,
@@ -397,10 +403,10 @@ class AsyncRollouts:
     def _complete(self, group: _Group) -> None:
         """Score a whole group; keep it, or drop it when dynamic sampling finds its scores all equal."""
         generations = [self._generation(r) for r in group.responses]
-        raw, reward_metrics = self.prompts.score([group.record], generations)
-        scores = self.prompts.shape_scores(raw, generations)
+        raw, reward_metrics = self.scorer.score([group.record], generations)
+        scores = self.scorer.shape_scores(raw, generations)
         self._window.scored(raw, generations, reward_metrics)
-        if self.config.algorithm.dynamic_sampling:
+        if self.config.dynamic_sampling:
             kept = algos.dynamic_sampling_filter(torch.zeros(len(generations), dtype=torch.long), scores)
             if kept.num_dropped_groups:
                 self._window.dropped_groups += 1
@@ -427,7 +433,7 @@ class AsyncRollouts:
                 usable.append(done)
                 continue
             self._buffer.remove(done)
-            if self.config.rollout.stale_groups == "drop":
+            if self.config.stale_groups == "drop":
                 self._window.stale_dropped += 1
                 self._drop(done.group)
             else:
@@ -490,8 +496,6 @@ class _Window:
         self.reward_metrics = reward_metrics
 
     def metrics(self, version: int, taken: list[_Done], running: dict[int, float]) -> dict[str, float]:
-        from rlmega.trainer.prompts import PromptSource
-
         now = time.perf_counter()
         wall = max(now - self.since, 1e-9)
         busy = sum(self.busy_s.values()) + sum(now - max(started, self.since) for started in running.values())
@@ -500,7 +504,7 @@ class _Window:
         mixed = [len(set(r.all_versions)) > 1 for done in taken for r in done.group.responses]
         scores = torch.cat(self.scores) if self.scores else torch.cat([done.scores for done in taken])
         generations = self.generations or [g for done in taken for g in done.generations]
-        metrics = PromptSource.generation_metrics(scores, generations, self.reward_metrics)
+        metrics = generation_metrics(scores, generations, self.reward_metrics)
         metrics.update({
             "async/staleness_mean": sum(staleness) / len(staleness),
             "async/staleness_max": float(max(staleness)),

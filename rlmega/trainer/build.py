@@ -14,10 +14,11 @@ from rlmega.config.schema import RLConfig
 from rlmega.data import PromptDatasets
 from rlmega.errors import RunFailure
 from rlmega.trainer.cluster import disconnect
-from rlmega.trainer.controller import Trainer, export_hf, supervised_warm_start
-from rlmega.trainer.prompts import PromptSource
+from rlmega.trainer.controller import Trainer, export_hf
+from rlmega.trainer.prompt_side import build_prompt_side
 from rlmega.trainer.resume import decide_resume
 from rlmega.trainer.roles import role_groups
+from rlmega.trainer.warm_start import supervised_warm_start
 
 
 def build_trainer(config: RLConfig, datasets: Optional[PromptDatasets] = None) -> Trainer:
@@ -29,7 +30,7 @@ def build_trainer(config: RLConfig, datasets: Optional[PromptDatasets] = None) -
     start = decide_resume(config)
     reward_model, judge, reward_placement = start_reward_workers(config)
     try:
-        prompts = PromptSource(config, datasets=datasets, reward_model=reward_model, judge=judge)  # owns them now
+        prompts = build_prompt_side(config, datasets, reward_model=reward_model, judge=judge)  # owns them now
     except BaseException:
         for part in (reward_model, judge):
             if part is not None:
@@ -133,13 +134,13 @@ def run_sft(config: RLConfig, datasets: Optional[PromptDatasets] = None) -> int:
     from rlmega.trainer.cluster import start_workers
     from rlmega.trainer.roles import ActorGroup
 
-    prompts = PromptSource(config, datasets=datasets)
+    prompts = build_prompt_side(config, datasets)
     job = None
     try:
         job, _, _ = start_workers(config, with_rollout=False)
-        supervised_warm_start(ActorGroup(job), prompts, config)
+        supervised_warm_start(ActorGroup(job), prompts.warm_start)
         root = Path(config.run_dir) / "sft_checkpoints"
-        job.save(str(root), {**prompts.state_dict(), "step": 0})
+        job.save(str(root), {**prompts.data.state_dict(), "step": 0})
         export_hf(root / "actor", Path(config.run_dir) / "sft_hf", config.model.path)
         return 0
     finally:

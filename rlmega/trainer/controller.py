@@ -24,18 +24,20 @@ from rlmega.algos.rollout_correction import compute_rollout_correction
 from rlmega.config.schema import RLConfig
 from rlmega.trainer.advantages import compute_advantages
 from rlmega.trainer.metrics import MetricsTracker
-from rlmega.trainer.prompts import PromptSource, Rollouts
+from rlmega.trainer.batch_assembly import Rollouts
+from rlmega.trainer.prompt_side import PromptSide
 from rlmega.trainer.resume import ResumeDecision, prepare_first_save, refuse_finished_run
 from rlmega.trainer.metric_backends import StepRows
 from rlmega.trainer.roles import Actor, Critic, Engines, Reference, TrainingJob
 from rlmega.trainer.schedules import RolloutSchedule, rollout_schedule
+from rlmega.trainer.warm_start import supervised_warm_start
 from rlmega.workers.batching import padded_field
 
 PREEMPTED_EXIT_CODE = 143
 
 
 class Trainer:
-    def __init__(self, config: RLConfig, prompts: PromptSource, job: TrainingJob, actor: Actor, engines: Engines, *,
+    def __init__(self, config: RLConfig, prompts: PromptSide, job: TrainingJob, actor: Actor, engines: Engines, *,
                  reference: Optional[Reference] = None, critic: Optional[Critic] = None,
                  start: ResumeDecision = ResumeDecision()):
         """Load the checkpoint ``start`` names (``decide_resume``: a new run by default) and open the metrics; the
@@ -48,15 +50,15 @@ class Trainer:
         self.preempted = False
         self.steps_done = 0
         """RL steps this process has completed (a run that fails before the first leaves nothing behind)."""
-        self.schedule: RolloutSchedule = rollout_schedule(config, prompts, engines)
+        self.schedule: RolloutSchedule = rollout_schedule(prompts, engines)
         self.restarts = engines.restarts
         """``rollout.restart_dead_engines``: the engines' restart budget and counts (None: a dead engine stops it)."""
         if self.restarts is not None:
             self.restarts.serve = self._serve_current_weights
-        self.total_steps = prompts.total_steps
+        self.total_steps = prompts.data.total_steps
         self.start_step = self._resume()
-        self.version = self.start_step
-        """The weight version the engines serve (the policy the next update starts from)."""
+        self._synced_engines: Optional[list] = None
+        """The engines the actor's weight sync was set up for (``sync``)."""
         if self.restarts is not None:
             self.restarts.step = self.start_step
         self.tracker = MetricsTracker(self.run_dir, config=config.metrics, total_steps=self.total_steps,
@@ -216,53 +218,52 @@ class Trainer:
                 self.job.set_offloaded(False)
 
     def sync(self, version: int) -> dict[str, float]:
-        """Push the actor's weights into every engine as ``version`` and, if configured, check them."""
+        """Push the actor's weights into every engine as ``version`` and, if configured, check them; the engines'
+        own record of the version they serve is then the one the run goes by (``Engines.version``)."""
+        from rlmega.sync import StaleWeightsError
+
         if self._hands_over_memory:
             self.engines.wake()
-        stats = self.actor.push_weights(self.engines, version, self.config.sync)
+        engines = self.engines.handles()
+        if engines != self._synced_engines:  # the first sync, or engines restarted in place since the last
+            self.actor.connect(engines)  # the weight sync's transport is chosen here, once for these engines
+            self._synced_engines = engines
+        stats = self.actor.push_weights(version)
         metrics = {"sync/gbytes": stats.bytes / 1e9, "sync/gbps": stats.gbps}
-        check = self.config.sync
-        if check.post_sync_check and (version == self.start_step or version % check.check_every == 0):
-            metrics["sync/max_logprob_diff"] = self.actor.post_sync_check(self.engines, self.prompts.probes(), version,
-                                                                          self.config.post_sync_atol())
-        versions = self.engines.versions()
-        if any(found != version for found in versions):
-            raise RuntimeError(f"after syncing version {version} the engines serve versions {versions}")
-        self.version = version
+        if self.config.sync.checks(version, first_version=self.start_step):
+            metrics["sync/max_logprob_diff"] = self.actor.check_weights(self.prompts.data.probes(), version)
+        served = self.engines.version()
+        if served is not None and served != version:
+            raise StaleWeightsError(served, version, "after the weight sync, every rollout engine")
         return metrics
 
     def _serve_current_weights(self, engine) -> Optional[float]:
-        """An engine started in place of a dead one (``rollout.restart_dead_engines``) gets the weights the others
-        serve (``version``) through the weight sync, and the post-sync check whatever ``sync.check_every`` says: its
-        largest log-prob difference (None with ``sync.post_sync_check=false``). Called only while the ranks are idle
-        and hold those weights: before a step's generation, or after a sync."""
-        difference = None
+        """An engine started in place of a dead one (``rollout.restart_dead_engines``) gets the weights of the last
+        sync (those the others serve) through a weight sync of its own, the post-sync check whatever
+        ``sync.check_every`` says, and the check of the version it serves: the check's largest log-prob difference
+        (None with ``sync.post_sync_check=false``). The run's weight sync feeds it from the next sync on. Called only
+        while the ranks are idle and hold those weights: before a step's generation, or after a sync."""
         if self._hands_over_memory:  # colocated: the ranks' weights are offloaded while the engines generate
             self.job.set_offloaded(False)
         try:
-            self.actor.push_weights(engine, self.version, self.config.sync)
-            if self.config.sync.post_sync_check:
-                difference = self.actor.post_sync_check(engine, self.prompts.probes(), self.version,
-                                                        self.config.post_sync_atol())
+            probes = self.prompts.data.probes() if self.config.sync.post_sync_check else None
+            difference = self.actor.serve_replacement(engine, probes)
         finally:
             if self._hands_over_memory:
                 self.job.set_offloaded(True)
-        served = engine.weight_version()
-        if served != self.version:
-            raise RuntimeError(f"after syncing version {self.version} a restarted engine serves version {served}")
         return difference
 
     def validate(self, step: int) -> None:
         self.schedule.pause()  # asynchronous modes: no training rollout shares the engines meanwhile
         with self._rollout_phase():
-            metrics, samples = self.prompts.validate(self.engines)
-        self.schedule.resume(self.version)
+            metrics, samples = self.prompts.validation.run(self.engines)
+        self.schedule.resume(step)  # validation follows the sync of ``step``
         self.tracker.log_validation(step, metrics)
         if samples:
             self.tracker.log_generations(step, samples)
 
     def warm_start(self) -> None:
-        supervised_warm_start(self.actor, self.prompts, self.config)
+        supervised_warm_start(self.actor, self.prompts.warm_start)
         if self.reference is not None:
             self.reference.copy_from_actor()
 
@@ -307,15 +308,6 @@ class Trainer:
         for part in (self.engines, self.job):
             part.shutdown()
         self.prompts.close()
-
-
-def supervised_warm_start(actor: Actor, prompts: PromptSource, config: RLConfig) -> None:
-    """``trainer.sft_steps`` supervised steps on the training prompts' ground-truth answers (a tiny model's start)."""
-    total = config.trainer.sft_steps
-    for step, batch in enumerate(prompts.warm_start_batches(), start=1):
-        metrics = actor.sft_step(batch, config.trainer.sft_lr)
-        if step == 1 or step % 10 == 0 or step == total:
-            print(f"warm-start {step}/{total}: sft_loss {metrics['sft_loss']:.4f}", flush=True)
 
 
 def export_hf(checkpoint: Path, output: Path, base_model: str) -> None:

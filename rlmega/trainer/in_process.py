@@ -138,13 +138,13 @@ class InProcessRanks(RankCalls):
             self._process = RankProcess(0, world)
             self._handle = _RankHandle(self._process)
             master = ("127.0.0.1", self._process.listen("127.0.0.1"))
-            self.each(lambda rank: rank.setup.remote(master, config, total_steps, threads), "setup",
+            self.each(RankProcess.setup, master, config, total_steps, threads, what="setup",
                       timeout_s=max(self.timeout_s, 600.0))
         except BaseException:
             self._stop_children(grace_s=0.0)
             raise
 
-    def each(self, call: Callable[[Any], Any], what: str, timeout_s: Optional[float] = None) -> list:
+    def _on_ranks(self, call: Callable[[Any], Any], what: str, timeout_s: Optional[float] = None) -> list:
         """``call(rank_handle)`` on every rank: sent to the children first, then made on rank 0 here; the answers
         in rank order (``TrainingRanks.each``). A child's failure is reported before rank 0's, as its cause."""
         from rlmega.parallel.cpu_platform import redirected
@@ -253,8 +253,11 @@ class InProcessEngines:
         with self._output.of(ENGINE_NAME, "generate"):
             return self.engines[0].generate(prompts, params, images)
 
-    def versions(self) -> list[int]:
-        return [self.engines[0].weight_version()]
+    def handles(self) -> list:
+        return list(self.engines)
+
+    def version(self) -> int:
+        return self.engines[0].weight_version()
 
     def sleep(self, level: int = 1) -> None:
         with self._output.of(ENGINE_NAME, "sleep"):

@@ -2,7 +2,8 @@
 function, and the reward model and judge that ``cluster.start_reward_workers`` started.
 
     reward_model, judge, _ = start_reward_workers(config)
-    manager = build_reward_manager(config, policy_tokenizer, reward_model=reward_model, judge=judge)
+    settings = RewardManagerConfig(config.reward, config.reward_model, config.judge, seed=config.trainer.seed)
+    manager = build_reward_manager(settings, policy_tokenizer, reward_model=reward_model, judge=judge)
 
 The manager owns what it is given from here on: ``manager.close()`` shuts the reward model's ranks and
 the judge's engines down with the scoring processes.
@@ -13,16 +14,29 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from rlmega.config.schema import RLConfig, RewardModelConfig
+from rlmega.config.schema import JudgeConfig, RewardModelConfig
 from rlmega.rewards import (
-    JudgeScorer, RewardManager, RewardModelScorer, RewardScorer, RewardWeights, ScoreTransform, enabled_components,
-    first_number, load_function, same_tokenization,
+    JudgeScorer, RewardConfig, RewardManager, RewardModelScorer, RewardScorer, RewardWeights, ScoreTransform,
+    enabled_components, first_number, load_function, same_tokenization,
 )
 from rlmega.rewards.judge import JudgeEngines
 from rlmega.rewards.reward_model import SequenceScorer
 
 
-def build_reward_manager(config: RLConfig, policy_tokenizer: Any, *, reward_model: Optional[SequenceScorer] = None,
+@dataclasses.dataclass
+class RewardManagerConfig:
+    reward: RewardConfig
+    """``reward``: the rule scorers, the user function, the weights per data source and for validation."""
+    reward_model: RewardModelConfig
+    """``reward_model``: its tokenizer, chat template, normalising and clipping (when one is started)."""
+    judge: JudgeConfig
+    """``judge``: its tokenizer, prompt, parser and sampling (when one is started)."""
+    seed: int
+    """``trainer.seed``: the judge's sampling seed."""
+
+
+def build_reward_manager(config: RewardManagerConfig, policy_tokenizer: Any, *,
+                         reward_model: Optional[SequenceScorer] = None,
                          judge: Optional[JudgeEngines] = None) -> RewardManager:
     """The components the run's weights use (``reward.weights``, ``data_source_weights``, ``val_weights``,
     ``monitor``), each built once; the model components from the parts given (absent parts are absent
@@ -50,7 +64,7 @@ def build_reward_manager(config: RLConfig, policy_tokenizer: Any, *, reward_mode
             judge, _tokenizer(settings.tokenizer_path or settings.path), template=settings.prompt_template,
             parser=load_function(settings.parser) if settings.parser else first_number,
             max_new_tokens=settings.response_length, temperature=settings.temperature,
-            use_chat_template=settings.use_chat_template, seed=config.trainer.seed)
+            use_chat_template=settings.use_chat_template, seed=config.seed)
         transforms["judge"] = ScoreTransform(settings.normalize, settings.clip_range)
     return RewardManager(config.reward, components, transforms)
 

@@ -13,11 +13,10 @@ from typing import Optional, Protocol
 
 import torch
 
-from rlmega.config.schema import SyncConfig
 from rlmega.rollout.protocol import Generation, SamplingParams
 from rlmega.sync import SyncStats
 from rlmega.trainer.engine_restarts import EngineRestarts
-from rlmega.trainer.training_group import TrainingRanks
+from rlmega.trainer.training_group import RankCalls, RankProcess
 from rlmega.workers.batching import SequenceBatch
 
 LogProbs = tuple[list[torch.Tensor], list[torch.Tensor]]  # per sequence: log-probs [R_i], entropies [R_i]
@@ -30,7 +29,10 @@ class Engines(Protocol):
     """``rollout.restart_dead_engines`` (engines in processes of their own); None: a dead engine stops the run."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]: ...
-    def versions(self) -> list[int]: ...
+    def handles(self) -> list:
+        """The engines the weight sync feeds, as the training ranks reach them."""
+    def version(self) -> Optional[int]:
+        """The weight version the engines serve: their own record, the one the run trusts (None: none serves yet)."""
     def sleep(self, level: int = 1) -> None: ...
     def wake(self) -> None: ...
     def shutdown(self) -> None: ...
@@ -51,8 +53,10 @@ class Actor(Protocol):
     def update_on_policy(self, batch: SequenceBatch) -> tuple[dict[str, float], list[torch.Tensor],
                                                                 list[torch.Tensor]]: ...
     def sft_step(self, batch: SequenceBatch, lr: float) -> dict[str, float]: ...
-    def push_weights(self, engines: Engines, version: int, sync: SyncConfig) -> SyncStats: ...
-    def post_sync_check(self, engines: Engines, probes: list[list[int]], version: int, atol: float) -> float: ...
+    def connect(self, engines: list) -> None: ...
+    def push_weights(self, version: int) -> SyncStats: ...
+    def check_weights(self, probes: list[list[int]], version: int) -> float: ...
+    def serve_replacement(self, engine, probes: Optional[list[list[int]]]) -> Optional[float]: ...
 
 
 class Reference(Protocol):
@@ -72,65 +76,67 @@ class RewardModel(Protocol):
     def shutdown(self) -> None: ...
 
 
-def _handles(engines: Engines) -> list:
-    """The engine handles the ranks stream weights into (a ``RolloutGroup``'s, or the engines themselves)."""
-    return list(getattr(engines, "engines", [engines]))
-
-
 class ActorGroup:
     """The policy on the training ranks."""
 
-    def __init__(self, ranks: TrainingRanks):
+    def __init__(self, ranks: RankCalls):
         self._ranks = ranks
 
     def compute_logprobs(self, batch: SequenceBatch) -> LogProbs:
-        return self._ranks.first(lambda rank: rank.compute_logprobs.remote("actor", batch), "actor log-probs")
+        return self._ranks.first(RankProcess.compute_logprobs, "actor", batch, what="actor log-probs")
 
     def update(self, batch: SequenceBatch) -> dict[str, float]:
-        return self._ranks.first(lambda rank: rank.update.remote("actor", batch), "actor update")
+        return self._ranks.first(RankProcess.update, "actor", batch, what="actor update")
 
     def update_on_policy(self, batch: SequenceBatch) -> tuple[dict[str, float], list[torch.Tensor], list[torch.Tensor]]:
         """The one optimizer step of a batch, with the old log-probs from its own forward pass (see
         ``MegatronWorker.update_on_policy``): the metrics, the log-probs and the entropies."""
-        return self._ranks.first(lambda rank: rank.update_on_policy.remote(batch), "actor update")
+        return self._ranks.first(RankProcess.update_on_policy, batch, what="actor update")
 
     def sft_step(self, batch: SequenceBatch, lr: float) -> dict[str, float]:
-        return self._ranks.first(lambda rank: rank.sft_step.remote(batch, lr), "supervised step")
+        return self._ranks.first(RankProcess.sft_step, batch, lr, what="supervised step")
 
-    def push_weights(self, engines: Engines, version: int, sync: SyncConfig) -> SyncStats:
-        handles = _handles(engines)
-        return self._ranks.first(lambda rank: rank.push_weights.remote(handles, version, sync), "weight sync")
+    def connect(self, engines: list) -> None:
+        """The ranks' weight sync into ``engines`` (``Engines.handles``), its transport chosen once."""
+        self._ranks.each(RankProcess.connect_engines, engines, what="weight sync set-up")
 
-    def post_sync_check(self, engines: Engines, probes: list[list[int]], version: int, atol: float) -> float:
-        handles = _handles(engines)
-        return self._ranks.first(lambda rank: rank.post_sync_check.remote(handles, probes, version, atol),
-                                 "post-sync check")
+    def push_weights(self, version: int) -> SyncStats:
+        """The trained weights into the connected engines as ``version``."""
+        return self._ranks.first(RankProcess.push_weights, version, what="weight sync")
+
+    def check_weights(self, probes: list[list[int]], version: int) -> float:
+        """The post-sync check of the connected engines: the largest log-prob difference."""
+        return self._ranks.first(RankProcess.check_weights, probes, version, what="post-sync check")
+
+    def serve_replacement(self, engine, probes: Optional[list[list[int]]]) -> Optional[float]:
+        """The weights of the last push into one engine restarted in place, checked on ``probes`` if given."""
+        return self._ranks.first(RankProcess.serve_replacement, engine, probes, what="weight sync")
 
 
 class ReferenceGroup:
     """The frozen reference policy (for KL terms) on the training ranks."""
 
-    def __init__(self, ranks: TrainingRanks):
+    def __init__(self, ranks: RankCalls):
         self._ranks = ranks
 
     def compute_logprobs(self, batch: SequenceBatch) -> LogProbs:
-        return self._ranks.first(lambda rank: rank.compute_logprobs.remote("ref", batch), "reference log-probs")
+        return self._ranks.first(RankProcess.compute_logprobs, "ref", batch, what="reference log-probs")
 
     def copy_from_actor(self) -> None:
-        self._ranks.each(lambda rank: rank.reference_from_actor.remote(), "reference from actor")
+        self._ranks.each(RankProcess.reference_from_actor, what="reference from actor")
 
 
 class CriticGroup:
     """The value model (PPO with GAE) on the training ranks."""
 
-    def __init__(self, ranks: TrainingRanks):
+    def __init__(self, ranks: RankCalls):
         self._ranks = ranks
 
     def compute_values(self, batch: SequenceBatch) -> list[torch.Tensor]:
-        return self._ranks.first(lambda rank: rank.compute_values.remote(batch), "critic values")
+        return self._ranks.first(RankProcess.compute_values, batch, what="critic values")
 
     def update(self, batch: SequenceBatch) -> dict[str, float]:
-        return self._ranks.first(lambda rank: rank.update.remote("critic", batch), "critic update")
+        return self._ranks.first(RankProcess.update, "critic", batch, what="critic update")
 
 
 class RewardModelGroup:
@@ -138,19 +144,19 @@ class RewardModelGroup:
     (``TrainingRanks.for_reward_model``). Safe to call from several threads: calls are serialised, so
     every rank receives the collective calls in the same order."""
 
-    def __init__(self, ranks: TrainingRanks):
+    def __init__(self, ranks: RankCalls):
         self._ranks = ranks
         self._lock = threading.Lock()
 
     def score(self, batch: SequenceBatch) -> torch.Tensor:
         """``[B]`` fp32, one score per whole sequence (see ``MegatronWorker.compute_scores``)."""
         with self._lock:
-            return self._ranks.first(lambda rank: rank.compute_scores.remote(batch), "reward-model scores")
+            return self._ranks.first(RankProcess.compute_scores, batch, what="reward-model scores")
 
     def shutdown(self) -> None:
         self._ranks.shutdown()
 
 
-def role_groups(ranks: TrainingRanks, *, reference: bool, critic: bool) -> tuple[ActorGroup, Optional[ReferenceGroup],
+def role_groups(ranks: RankCalls, *, reference: bool, critic: bool) -> tuple[ActorGroup, Optional[ReferenceGroup],
                                                                                   Optional[CriticGroup]]:
     return ActorGroup(ranks), ReferenceGroup(ranks) if reference else None, CriticGroup(ranks) if critic else None

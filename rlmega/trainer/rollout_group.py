@@ -204,8 +204,26 @@ class RolloutGroup:
                 dead[index] = failure
         return dead
 
-    def versions(self) -> list[int]:
-        return wait_all([actor.weight_version.remote() for actor in self.actors], self.names, self.timeout_s, "weight_version")
+    def handles(self) -> list:
+        """The engines the weight sync feeds (``RemoteEngine``s, keyed by actor): those that serve weights, not those
+        restarted in place that still wait for theirs (``rejoin`` gives them the weights on its own)."""
+        return [engine for index, engine in enumerate(self.engines) if index not in self.unserved]
+
+    def version(self) -> Optional[int]:
+        """The weight version the engines serve, by their own record; None while none serves yet (every engine
+        restarted in place and waiting for weights). ``StaleWeightsError`` if they serve different ones."""
+        from rlmega.sync import StaleWeightsError
+
+        serving = [index for index in range(len(self.actors)) if index not in self.unserved]
+        if not serving:
+            return None
+        versions = wait_all([self.actors[index].weight_version.remote() for index in serving],
+                            [self.names[index] for index in serving], self.timeout_s, "weight_version")
+        if len(set(versions)) > 1:
+            newest = max(versions)
+            behind = [self.names[index] for index, found in zip(serving, versions) if found != newest]
+            raise StaleWeightsError(min(versions), newest, f"{', '.join(behind)} (behind the other engines)")
+        return versions[0]
 
     def sleep(self, level: int = 1) -> None:
         wait_all([actor.sleep.remote(level) for actor in self.actors], self.names, self.timeout_s, "sleep")
@@ -242,15 +260,14 @@ def _engine(config: RLConfig) -> tuple[type, dict]:
         return HFEngine, arguments
     if rollout.backend == "vllm":
         from rlmega.rollout.vllm_engine import VLLMEngine
-        from rlmega.sync.registry import SHARDED_RDT
 
         if rollout.gpus_of_one_engine > 1:
             # vLLM 0.33 picks its Ray executor for tp x dp > 1 inside a placement group (vllm/config/parallel.py),
             # whose workers would wait for GPUs this actor, or colocated the training ranks, already hold; its
             # multiprocessing executor starts them on the GPUs this actor sees.
             arguments.setdefault("distributed_executor_backend", "mp")
-        if config.sync.transport == SHARDED_RDT:  # vLLM runs the weight-transfer backend it was built with
-            arguments.setdefault("weight_transfer", SHARDED_RDT)
+        for name, value in config.sync.engine_arguments().items():  # the weight transfer the sync drives
+            arguments.setdefault(name, value)
         return VLLMEngine, {"bucket_bytes": config.sync.bucket_bytes, **arguments}
     from rlmega.rollout.sglang_engine import SGLangEngine
 

@@ -16,12 +16,40 @@ trained on: after a resume, those prompts are generated again.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional, Protocol
+from typing import TYPE_CHECKING, Optional, Protocol
 
-from rlmega.config.schema import RLConfig
-from rlmega.trainer.prompts import Generator, PromptSource, Rollouts
+from rlmega.trainer.batch_assembly import Rollouts
+from rlmega.trainer.generation import Generator
+from rlmega.trainer.prompt_data import PromptData
+from rlmega.trainer.step_rollouts import StepRollouts
+
+if TYPE_CHECKING:
+    from rlmega.trainer.prompt_side import PromptSide
+
+
+@dataclasses.dataclass
+class ScheduleConfig:
+    mode: str
+    """``rollout.mode``: ``sync``, ``one_step_off`` or ``async``."""
+    prompts_per_step: int
+    """``trainer.prompts_per_step``: the groups a step trains on."""
+    n: int
+    """``rollout.n``: responses per prompt."""
+    max_staleness: int
+    """``rollout.max_staleness`` (async): versions a trained group's oldest token may lag the policy."""
+    stale_groups: str
+    """``rollout.stale_groups`` (async): ``regenerate`` or ``drop`` a group past the bound."""
+    partial_rollout: str
+    """``rollout.partial_rollout`` (async): an interrupted response is continued, or restarted."""
+    timeout_s: float
+    """``cluster.timeout_s`` (async): the longest wait for a batch, or for interrupted requests."""
+    dynamic_sampling: bool
+    """``algorithm.dynamic_sampling``: groups whose scores are all equal are dropped."""
+    max_generation_rounds: int
+    """``algorithm.max_generation_rounds`` (async: this many steps' worth of equal groups in a row stop the run)."""
 
 
 class RolloutSchedule(Protocol):
@@ -36,11 +64,11 @@ class RolloutSchedule(Protocol):
 class SyncRollouts:
     """Generate, then train: the step's responses come from the weights being updated."""
 
-    def __init__(self, prompts: PromptSource, engines: Generator):
-        self.prompts, self.engines = prompts, engines
+    def __init__(self, step_rollouts: StepRollouts, data: PromptData, engines: Generator):
+        self.step_rollouts, self.data, self.engines = step_rollouts, data, engines
 
     def take(self, step: int) -> Rollouts:
-        return self.prompts.rollouts(self.engines, step)
+        return self.step_rollouts.take(self.engines, step)
 
     def pause(self) -> None:
         pass
@@ -49,10 +77,10 @@ class SyncRollouts:
         pass
 
     def state_dict(self) -> dict:
-        return self.prompts.state_dict()
+        return self.data.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.prompts.load_state_dict(state)
+        self.data.load_state_dict(state)
 
     def close(self) -> None:
         pass
@@ -68,20 +96,21 @@ class OneStepOffRollouts:
     step (``overlap=False`` is that run: the prefetch runs in ``take`` itself).
     """
 
-    def __init__(self, prompts: PromptSource, engines: Generator, total_steps: int, *, overlap: bool = True):
-        self.prompts, self.engines, self.total_steps = prompts, engines, total_steps
+    def __init__(self, step_rollouts: StepRollouts, data: PromptData, engines: Generator, total_steps: int, *,
+                 overlap: bool = True):
+        self.step_rollouts, self.data, self.engines, self.total_steps = step_rollouts, data, engines, total_steps
         self.overlap = overlap
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlmega-prefetch")
         self._next: Optional[tuple[int, Future]] = None
-        self._state: dict = prompts.state_dict()  # the prompt position before the prefetched step's prompts
+        self._state: dict = data.state_dict()  # the prompt position before the prefetched step's prompts
 
     def take(self, step: int) -> Rollouts:
         if self._next is not None and self._next[0] == step:
             rollouts = self._next[1].result()
         else:
-            rollouts = self.prompts.rollouts(self.engines, step)
+            rollouts = self.step_rollouts.take(self.engines, step)
         self._next = None
-        self._state = self.prompts.state_dict()
+        self._state = self.data.state_dict()
         if step < self.total_steps:
             if self.overlap:
                 self._next = (step + 1, self._executor.submit(self._generate, step + 1))
@@ -93,7 +122,7 @@ class OneStepOffRollouts:
 
     def _generate(self, step: int) -> Rollouts:
         started = time.perf_counter()
-        rollouts = self.prompts.rollouts(self.engines, step)
+        rollouts = self.step_rollouts.take(self.engines, step)
         rollouts.metrics["timing_s/prefetch"] = time.perf_counter() - started  # the engines' busy time
         return rollouts
 
@@ -109,20 +138,21 @@ class OneStepOffRollouts:
         return self._state
 
     def load_state_dict(self, state: dict) -> None:
-        self.prompts.load_state_dict(state)
-        self._state = self.prompts.state_dict()
+        self.data.load_state_dict(state)
+        self._state = self.data.state_dict()
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
 
-def rollout_schedule(config: RLConfig, prompts: PromptSource, engines) -> RolloutSchedule:
-    """The schedule of ``rollout.mode``."""
-    mode = config.rollout.mode
+def rollout_schedule(prompts: PromptSide, engines) -> RolloutSchedule:
+    """The schedule of ``rollout.mode`` (``prompts.schedule``), drawing on the prompt side's parts."""
+    mode = prompts.schedule.mode
     if mode == "sync":
-        return SyncRollouts(prompts, engines)
+        return SyncRollouts(prompts.step_rollouts, prompts.data, engines)
     if mode == "one_step_off":
-        return OneStepOffRollouts(prompts, engines, prompts.total_steps)
+        return OneStepOffRollouts(prompts.step_rollouts, prompts.data, engines, prompts.data.total_steps)
     from rlmega.trainer.async_rollouts import AsyncRollouts
 
-    return AsyncRollouts(config, prompts, engines)
+    return AsyncRollouts(prompts.schedule, prompts.data, prompts.generator, prompts.scorer, prompts.assembler,
+                         engines)

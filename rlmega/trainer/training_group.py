@@ -15,7 +15,7 @@ import datetime
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from rlmega.config.schema import RLConfig, SyncConfig
+from rlmega.config.schema import RLConfig
 from rlmega.trainer.remote import wait_all
 from rlmega.workers.batching import SequenceBatch
 
@@ -34,7 +34,8 @@ class RankProcess:
         redirect_output()  # library warnings and progress bars go to this rank's log, not the console
         self.rank, self.world_size = rank, world_size
         self.workers: dict = {}
-        self._sharded = None  # vLLM's sharded_rdt transfer (sync.transport), made at the first sync
+        self.weight_sync = None
+        """The run's weight sync into the engines (``connect_engines``), on the policy's ranks."""
 
     def address(self) -> tuple[str, int, str, str]:
         """This node's IP, the rendezvous port (rank 0: its process-group store's, bound here; 0 on the
@@ -67,6 +68,7 @@ class RankProcess:
 
         self._join(master, config.layout, config.cluster.cpus_per_rank if cpus is None else cpus, config)
         self.spec = model_spec_from_hf(config.model.path, mtp=config.model.mtp)
+        self.sync_config, self.post_sync_atol = config.sync, config.post_sync_atol()
         roles = {"actor": config.actor}
         if config.needs_reference:
             roles["ref"] = config.ref
@@ -146,37 +148,43 @@ class RankProcess:
             for target, source in zip(_parameters(reference.chunks), _parameters(actor.chunks), strict=True):
                 target.copy_(source)
 
-    def push_weights(self, engines: list, version: int, sync: SyncConfig):
-        from rlmega.sync import push_weights
-        from rlmega.sync.registry import SHARDED_RDT
+    def connect_engines(self, engines: list) -> None:
+        """The run's weight sync into ``engines`` (their handles), its transport chosen now, once (``sync``);
+        it replaces the one before (engines restarted in place have new handles). Collective."""
+        if self.weight_sync is not None:
+            self.weight_sync.close()
+        self.weight_sync = self._weight_sync_into(engines)
 
-        if sync.transport == SHARDED_RDT:
-            return self._rank0(self._sharded_sync(engines, sync).push(version, check_version=False))
-        stats = push_weights(self.workers["actor"].chunks, self.spec, engines if self.rank == 0 else None, version,
-                             engine_rank=0, bucket_bytes=sync.bucket_bytes, transport=sync.transport,
-                             timeout_s=sync.timeout_s,
-                             check_version=False)  # the trainer asks every engine right after (Trainer.sync)
-        return self._rank0(stats)
+    def push_weights(self, version: int):
+        """The actor's weights into the engines as ``version``: ``SyncStats`` on rank 0."""
+        return self._rank0(self.weight_sync.push(version))
 
-    def _sharded_sync(self, engines: list, sync: SyncConfig):
-        """vLLM's sharded_rdt transfer into the run's engines, set up at the first sync (a collective: the
-        producers start, the engines get the plan) and kept for the rest of the run."""
-        if self._sharded is None:
-            from rlmega.sync.vllm_sharded import ShardedSync
+    def check_weights(self, probes: list[list[int]], version: int) -> Optional[float]:
+        """The post-sync check on ``probes``: the largest log-prob difference, on rank 0."""
+        return self._rank0(self.weight_sync.check(probes, version))
 
-            self._sharded = ShardedSync(self.workers["actor"].chunks, self.spec, engines if self.rank == 0 else None,
-                                        timeout_s=sync.timeout_s)
-        return self._sharded
+    def serve_replacement(self, engine, probes: Optional[list[list[int]]]) -> Optional[float]:
+        """The weights of the last push into one engine restarted in place, through a weight sync of its own; with
+        ``probes`` the post-sync check (its largest log-prob difference, on rank 0), then the version it serves.
+        Collective."""
+        from rlmega.sync import require_version
 
-    def post_sync_check(self, engines: list, prompts: list[list[int]], version: int, atol: float) -> Optional[float]:
-        from rlmega.sync import post_sync_check
+        version = self.weight_sync.pushed_version
+        weight_sync = self._weight_sync_into([engine])
+        try:
+            weight_sync.push(version)
+            difference = weight_sync.check(probes, version) if probes is not None else None
+        finally:
+            weight_sync.close()
+        if self.rank == 0:
+            require_version(engine, version)
+        return self._rank0(difference)
 
-        actor = self.workers["actor"]
-        worst = 0.0
-        for engine in engines:
-            worst = max(worst, post_sync_check(actor.chunks, self.spec, engine if self.rank == 0 else None, prompts,
-                                               engine_rank=0, atol=atol, version=version))
-        return self._rank0(worst)
+    def _weight_sync_into(self, engines: list):
+        from rlmega.sync import WeightSync
+
+        return WeightSync.build(self.sync_config, self.workers["actor"].chunks, self.spec,
+                                engines if self.rank == 0 else None, atol=self.post_sync_atol)
 
     # ---- the job's state ------------------------------------------------------------------
 
@@ -220,6 +228,8 @@ class RankProcess:
 
         from rlmega.parallel.layout import destroy
 
+        if self.weight_sync is not None:
+            self.weight_sync.close()
         destroy(including_default_group=dist.is_initialized())
 
 
@@ -253,24 +263,34 @@ class RankResources:
 
 
 class RankCalls:
-    """The job's calls on its ranks, made with ``each`` (``call(rank_handle)`` on every rank, answers in rank
-    order), which a group of ranks defines: ``TrainingRanks`` on Ray, ``InProcessRanks`` in one process."""
+    """The job's calls on its ranks: ``each(RankProcess.method, *args)`` calls that method on every rank (answers in
+    rank order), through ``_on_ranks``, which a group of ranks defines: ``TrainingRanks`` on Ray, ``InProcessRanks``
+    in one process."""
 
-    def each(self, call: Callable[[Any], Any], what: str, timeout_s: Optional[float] = None) -> list:
+    def each(self, method: Callable, *args, what: str, timeout_s: Optional[float] = None) -> list:
+        """``method(rank, *args)`` on every rank's ``RankProcess`` (``method`` is the function itself, e.g.
+        ``RankProcess.update``); all answers, in rank order."""
+        return self._on_ranks(lambda rank: getattr(rank, method.__name__).remote(*args), what, timeout_s)
+
+    def first(self, method: Callable, *args, what: str, timeout_s: Optional[float] = None) -> Any:
+        """``each``, and rank 0's answer."""
+        return self.each(method, *args, what=what, timeout_s=timeout_s)[0]
+
+    def _on_ranks(self, call: Callable[[Any], Any], what: str, timeout_s: Optional[float] = None) -> list:
+        """``call(rank_handle)`` (a ``.remote(...)`` call) on every rank; all answers, in rank order."""
         raise NotImplementedError
 
-    def first(self, call: Callable[[Any], Any], what: str, timeout_s: Optional[float] = None) -> Any:
-        """``call`` on every rank; rank 0's answer."""
-        return self.each(call, what, timeout_s)[0]
-
     def set_offloaded(self, offloaded: bool) -> None:
-        self.each(lambda rank: rank.set_offloaded.remote(offloaded), "offload" if offloaded else "onload")
+        self.each(RankProcess.set_offloaded, offloaded, what="offload" if offloaded else "onload")
 
     def save(self, root: str, extra: dict, keep: Optional[int] = None) -> dict:
-        return self.first(lambda rank: rank.save.remote(root, extra, keep), "save")
+        return self.first(RankProcess.save, root, extra, keep, what="save")
 
     def load(self, root: str, step: int) -> dict:
-        return self.first(lambda rank: rank.load.remote(root, step), "load")
+        return self.first(RankProcess.load, root, step, what="load")
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
 
 
 class TrainingRanks(RankCalls):
@@ -301,13 +321,13 @@ class TrainingRanks(RankCalls):
             for rank in range(world_size)
         ]
         try:
-            addresses = self.each(lambda rank: rank.address.remote(), "address")
+            addresses = self.each(RankProcess.address, what="address")
             self.nodes = [{"rank": rank, "ip": ip, "node_id": node, "gpus": gpus}
                           for rank, (ip, _, node, gpus) in enumerate(addresses)]
             if placed is not None:
                 placed(self.nodes)
             master = addresses[0][:2]
-            self.each(lambda rank: setup(rank, master), "setup", timeout_s=max(self.timeout_s, 600.0))
+            self._on_ranks(lambda rank: setup(rank, master), "setup", timeout_s=max(self.timeout_s, 600.0))
         except BaseException:
             self.shutdown()
             raise
@@ -325,15 +345,14 @@ class TrainingRanks(RankCalls):
         return cls(RankResources.of_reward_model(config), placement_group, config.cluster.timeout_s,
                    lambda rank, master: rank.setup_reward_model.remote(master, config), config.run_dir)
 
-    def each(self, call: Callable[[Any], Any], what: str, timeout_s: Optional[float] = None) -> list:
-        """``call(rank_handle)`` (a ``.remote(...)`` call) on every rank; all answers, in rank order."""
+    def _on_ranks(self, call: Callable[[Any], Any], what: str, timeout_s: Optional[float] = None) -> list:
         return wait_all([call(rank) for rank in self.ranks], self.names, timeout_s or self.timeout_s, what)
 
     def shutdown(self) -> None:
         import ray
 
         try:
-            self.each(lambda rank: rank.shutdown.remote(), "shutdown", timeout_s=30.0)
+            self.each(RankProcess.shutdown, what="shutdown", timeout_s=30.0)
         except Exception:  # noqa: BLE001 - best effort on the way out
             pass
         for rank in self.ranks:

@@ -4,10 +4,13 @@ they overlap, so recipes carry over."""
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Optional
 
-ROLES = ("actor", "ref", "critic", "reward")
+from rlmega.algos import (
+    POLICY_LOSS_CONFIGS, BaseLossConfig, PolicyLoss, get_policy_loss_config, loss_option_types, loss_options,
+)
+from rlmega.workers.roles import ROLES
+
 LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
 
 
@@ -67,38 +70,30 @@ class BatchingConfig:
             raise ValueError("batching.max_tokens_per_microbatch and batching.min_microbatches must be >= 1")
 
 
+# The YAML section is flat (OmegaConf has no tagged unions): one field per option of any loss, None
+# meaning the chosen loss's own default. An option added to a loss's config appears here by itself.
+_LossParameters = dataclasses.make_dataclass("_LossParameters", [
+    (name, kind, dataclasses.field(default=None)) for name, kind in loss_option_types(POLICY_LOSS_CONFIGS.values()).items()
+], namespace={"__module__": __name__})
+# Loss parameters the config passes by name when set (see PolicyLossConfig.loss_config).
+LOSS_PARAMETERS = tuple(field.name for field in dataclasses.fields(_LossParameters))
+
+
 @dataclasses.dataclass
-class PolicyLossConfig:
-    """The actor's loss: a policy loss of ``rlmega.algos.POLICY_LOSSES`` by name, its parameters, and
-    the entropy and KL terms. A loss parameter left at None takes that loss's own default (PPO's
-    clip range is 0.2, GSPO's 3e-4 / 4e-4); setting one the chosen loss does not take is refused."""
+class PolicyLossConfig(_LossParameters):
+    """The actor's loss: a policy loss of ``rlmega.algos.POLICY_LOSS_CONFIGS`` by name, its parameters,
+    and the entropy and KL terms. The parameters (``LOSS_PARAMETERS``: clip_ratio_low, tau_pos, ...)
+    are the options of the losses' own configs (``PPOLossConfig``, ``SAPOLossConfig``, ...), which
+    document each one. A parameter left at None takes the chosen loss's own default (PPO's clip range
+    is 0.2, GSPO's 3e-4 / 4e-4); setting one the chosen loss does not take is refused."""
 
     name: str = "ppo"
-    """A key of ``rlmega.algos.POLICY_LOSSES`` (ppo, vanilla, clip_higher, dual_clip, gspo, cispo, sapo,
+    """A key of ``rlmega.algos.POLICY_LOSS_CONFIGS`` (ppo, vanilla, clip_higher, dual_clip, gspo, cispo, sapo,
     clip_cov, kl_cov, geo_mean, gpg, reinforce)."""
-    clip_ratio_low: Optional[float] = None
-    clip_ratio_high: Optional[float] = None
-    """None: the loss's default (PPO: same as ``clip_ratio_low``; DAPO's clip-higher uses 0.28)."""
-    clip_ratio_c: Optional[float] = None
-    """Dual-clip bound for negative advantages (> 1)."""
     clamp_log_ratio: bool = True
     """Clamp ``logp - old_logp`` before exponentiating (verl's ±20; GSPO's sequence ratio ±10), so one
-    token with a huge ratio cannot overflow the loss; False turns the clamp off."""
-    log_ratio_clamp: Optional[float] = None
-    """The clamp's bound; None: the loss's default (20, GSPO 10)."""
-    tau_pos: Optional[float] = None
-    """SAPO: gate temperature for positive advantages."""
-    tau_neg: Optional[float] = None
-    """SAPO: gate temperature for negative advantages."""
-    clip_cov_ratio: Optional[float] = None
-    """Clip-Cov: fraction of tokens whose gradient is detached."""
-    clip_cov_lb: Optional[float] = None
-    clip_cov_ub: Optional[float] = None
-    """Clip-Cov: covariance band of the tokens that may be picked."""
-    kl_cov_ratio: Optional[float] = None
-    """KL-Cov: fraction of tokens (highest covariance) that get the KL penalty."""
-    ppo_kl_coef: Optional[float] = None
-    """KL-Cov: coefficient of that penalty."""
+    token with a huge ratio cannot overflow the loss; False turns the clamp off (``log_ratio_clamp``
+    sets its bound)."""
     loss_agg_mode: str = "token-mean"
     norm_horizon: Optional[float] = None
     """Constant H of ``seq-mean-token-sum-norm`` (e.g. the max response length)."""
@@ -109,26 +104,23 @@ class PolicyLossConfig:
     """A key of ``rlmega.algos.KL_ESTIMATORS``: the estimator of the KL loss, and of the KL in the
     reward (``algorithm.kl_in_reward_coef``)."""
 
-    def loss_kwargs(self) -> dict:
-        """The chosen loss's keyword arguments that this config sets (None fields are left to the loss)."""
-        from rlmega.algos import get_policy_loss
-
-        accepted = inspect.signature(get_policy_loss(self.name)).parameters
+    def loss_config(self) -> BaseLossConfig:
+        """The chosen loss's own config, with the parameters this config sets (None fields are left to the loss)."""
+        config_class = get_policy_loss_config(self.name)
+        accepted = loss_options(config_class)
         settings = {name: getattr(self, name) for name in LOSS_PARAMETERS if getattr(self, name) is not None}
         unknown = sorted(set(settings) - set(accepted))
         if unknown:
             raise ValueError(f"policy_loss.{unknown[0]} is not a parameter of policy loss {self.name!r} "
-                             f"(it takes {', '.join(p for p in accepted if p in LOSS_PARAMETERS) or 'none of them'}); "
+                             f"(it takes {', '.join(accepted) or 'none of them'}); "
                              f"unset it with policy_loss.{unknown[0]}=null")
-        kwargs = {"loss_agg_mode": self.loss_agg_mode, "norm_horizon": self.norm_horizon, **settings}
         if "log_ratio_clamp" in accepted and not self.clamp_log_ratio:
-            kwargs["log_ratio_clamp"] = None
-        return kwargs
+            settings["log_ratio_clamp"] = None
+        return config_class(loss_agg_mode=self.loss_agg_mode, norm_horizon=self.norm_horizon, **settings)
 
-
-# Loss parameters the config passes by name when set (see PolicyLossConfig.loss_kwargs).
-LOSS_PARAMETERS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "log_ratio_clamp", "tau_pos", "tau_neg",
-                   "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")
+    def build(self) -> PolicyLoss:
+        """The chosen loss, built: ``loss(logp, old_logp, advantages, mask, context) -> (loss, metrics)``."""
+        return self.loss_config().build()
 
 
 @dataclasses.dataclass
@@ -228,4 +220,4 @@ class WorkerConfig:
 
     @property
     def trains(self) -> bool:
-        return self.role not in ("ref", "reward")
+        return ROLES[self.role].trains

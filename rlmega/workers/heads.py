@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from rlmega.algos import (
-    LossDenominators, clipped_value_loss, entropy_bonus, get_policy_loss, kl_loss,
-)
+from rlmega.algos import LossDenominators, PolicyLossContext, clipped_value_loss, entropy_bonus, kl_loss
 from rlmega.algos._utils import masked_mean
 from rlmega.models.spec import padded_vocab_size
 from rlmega.workers.batching import MicroBatch, SequenceBatch, padded_field, padding_mask, split_padded
@@ -109,7 +107,7 @@ def policy_head(
     batch is on-policy (its only optimizer step, from the weights that scored it): the old log-probs
     are this forward pass's own, detached (ratio 1, the same gradient as a separate pass), and the
     head hands them back as outputs ``logprobs`` and ``entropy``."""
-    loss_fn, loss_kwargs = get_policy_loss(config.name), config.loss_kwargs()
+    policy_loss = config.build()
     denominators = global_denominators(batch)
     aggregation = dict(loss_agg_mode=config.loss_agg_mode, global_denominators=denominators, norm_horizon=config.norm_horizon)
 
@@ -118,14 +116,13 @@ def policy_head(
         device = logp_flat.device
         logp, entropy = split_padded(logp_flat, micro_batch.response_lengths), split_padded(entropy_flat, micro_batch.response_lengths)
         mask = _mask(batch, micro_batch, device)
-        extra = {}
-        if "rollout_is_weights" in batch.fields:
-            extra["rollout_is_weights"] = _field(batch, "rollout_is_weights", micro_batch, device)
+        rollout_is_weights = (_field(batch, "rollout_is_weights", micro_batch, device)
+                              if "rollout_is_weights" in batch.fields else None)
         on_policy = "old_logp" not in batch.fields
         old_logp = logp.detach() if on_policy else _field(batch, "old_logp", micro_batch, device)
-        pg_loss, metrics = loss_fn(
-            logp, old_logp, _field(batch, "advantages", micro_batch, device),
-            mask, **loss_kwargs, global_denominators=denominators, **extra,
+        pg_loss, metrics = policy_loss(
+            logp, old_logp, _field(batch, "advantages", micro_batch, device), mask,
+            PolicyLossContext(global_denominators=denominators, rollout_is_weights=rollout_is_weights),
         )
         summed = {"pg_loss": pg_loss.detach()}
         loss = pg_loss

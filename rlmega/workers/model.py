@@ -14,6 +14,7 @@ from rlmega.parallel.layout import ParallelLayout
 from rlmega.workers import lm_head
 from rlmega.workers.config import OptimizerConfig, WorkerConfig
 from rlmega.workers.optimizer_state import sub_optimizers
+from rlmega.workers.roles import ROLES, Output, Role
 
 
 # Selective-recompute modules Megatron checkpoints with CheckpointWithoutOutput, which reads
@@ -48,11 +49,12 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, config: WorkerConfig) -
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.transformer.module import Float16Module
 
+    role = ROLES[config.role]
     check_head(spec, config.role)
     dtype = resolve_dtype(config)
     sequence_parallel = config.uses_sequence_parallel(layout.tp, moe=spec.num_experts is not None,
                                                       gpu=torch.cuda.is_available())
-    if config.role == "critic" and spec.tie_word_embeddings:
+    if role.output is Output.VALUES and spec.tie_word_embeddings:
         spec = _untied(spec)
     discarding = sorted(set(config.recompute_modules or ()) & OUTPUT_DISCARDING_RECOMPUTE)
     if discarding and not has_transformer_engine():
@@ -63,7 +65,7 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, config: WorkerConfig) -
                          "on CPU use recompute_granularity instead")
     replay = {}
     if config.router_replay != "none":
-        _check_router_replay(spec, layout, config)
+        _check_router_replay(spec, config, role)
         replay = dict(moe_enable_routing_replay=True)
     transformer_config = spec.transformer_config(
         layout, params_dtype=dtype, sequence_parallel=sequence_parallel, init_method_std=0.02,
@@ -85,7 +87,7 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, config: WorkerConfig) -
             for name, param in model.named_parameters():
                 if ".router." in name:  # decoder.layers.{i}.mlp.router.weight (and its expert bias)
                     param.requires_grad_(False)
-    if config.role == "critic":
+    if role.output is Output.VALUES:
         for model in models:
             if model.post_process:
                 model.output_layer = value_head(transformer_config)
@@ -94,7 +96,7 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, config: WorkerConfig) -
             lm_head.install(model, spec.vocab_size)  # logits of the response rows and real tokens only
     if dtype != torch.float32:
         models = [Float16Module(transformer_config, model) for model in models]
-    if not config.trains:
+    if not role.trains:
         for model in models:
             model.requires_grad_(False)
         return models, transformer_config
@@ -108,11 +110,11 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, config: WorkerConfig) -
     return chunks, transformer_config
 
 
-def _check_router_replay(spec: ModelSpec, layout: ParallelLayout, config: WorkerConfig) -> None:
+def _check_router_replay(spec: ModelSpec, config: WorkerConfig, role: Role) -> None:
     if not spec.num_experts:
         raise ValueError(f"router_replay={config.router_replay} replays MoE routing; this model has no experts")
-    if config.role not in ("actor", "ref"):
-        raise ValueError(f"router_replay is for the actor (and reference); the {config.role} routes by itself")
+    if not role.replays_routing:
+        raise ValueError(f"router_replay is for the actor (and reference); the {role.name} routes by itself")
 
 
 def check_head(spec: ModelSpec, role: str) -> None:
@@ -120,12 +122,13 @@ def check_head(spec: ModelSpec, role: str) -> None:
     reward model one score per sequence (a single-label score head)."""
     from rlmega.models import ARCHITECTURES
 
-    if role == "reward" and (spec.score_head is None or spec.score_head.num_labels != 1):
+    output = ROLES[role].output
+    if output is Output.SCORES and (spec.score_head is None or spec.score_head.num_labels != 1):
         has = "an LM head" if spec.score_head is None else f"a score head of {spec.score_head.num_labels} labels"
         classifiers = ", ".join(name for name in ARCHITECTURES if name.endswith("ForSequenceClassification"))
         raise ValueError(f"the reward role needs a sequence-classification checkpoint with num_labels=1 "
                          f"({classifiers}); this {spec.architecture} has {has}")
-    if role in ("actor", "ref") and spec.score_head is not None:
+    if output is Output.LOGITS and spec.score_head is not None:
         raise ValueError(f"the {role} computes log-probs and needs a causal LM; this {spec.architecture} has a "
                          "score head in place of the LM head (use it with role reward)")
 

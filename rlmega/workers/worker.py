@@ -1,5 +1,5 @@
 """The Megatron worker: one class for the actor, the reference, the critic and the reward model,
-chosen by config.
+chosen by config (``WorkerConfig.role`` names a ``rlmega.workers.roles.Role``, which says what differs).
 
 Every rank of a layout holds one ``MegatronWorker`` and calls the same methods with the same
 whole batch (a ``SequenceBatch``); each rank picks its data-parallel share itself, and results
@@ -38,6 +38,7 @@ from rlmega.workers.model import build_model, build_optimizer, resolve_dtype, us
 from rlmega.workers.offload import HostOffload, model_tensors, optimizer_tensors
 from rlmega.workers.passes import combine_metrics, run_schedule, scatter_outputs
 from rlmega.workers.perf import PerfCounter
+from rlmega.workers.roles import ROLES, Output
 from rlmega.workers.routing import RoutingReplay, routing_of
 
 
@@ -48,13 +49,14 @@ class MegatronWorker:
         process groups must exist (``rlmega.parallel.layout.initialize``). ``hf_dir`` loads HF
         weights through the bridge; ``total_steps`` is the default length of decaying LR schedules."""
         self.spec, self.layout, self.config = spec, layout, config
+        self.role = ROLES[config.role]
         self.chunks, self.transformer_config = build_model(spec, layout, config)
         if hf_dir is not None:
             from rlmega.bridge import load_hf_weights
 
-            load_hf_weights(self.chunks, spec, hf_dir, without_lm_head=config.role == "critic")
+            load_hf_weights(self.chunks, spec, hf_dir, without_lm_head=not self.role.loads_lm_head)
         self.optimizer = self.scheduler = None
-        if config.trains:
+        if self.role.trains:
             self.optimizer, self.scheduler = build_optimizer(self.chunks, config.optimizer, resolve_dtype(config), total_steps)
         self.step = 0
         self.skipped_steps = 0
@@ -68,12 +70,11 @@ class MegatronWorker:
     def compute_logprobs(self, batch: SequenceBatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per sequence, the log-probs and entropies ``[R_i]`` of its response tokens (fp32), under
         the batch's sampling temperature (``softmax(logits / batch.temperature)``)."""
-        if self.config.role not in ("actor", "ref"):
-            raise RuntimeError(f"compute_logprobs needs an actor or ref worker; this one is the {self.config.role}")
+        self.role.require("compute_logprobs")
         micro_batches = self._micro_batches(batch)
         head = heads.logprob_head(self.spec.vocab_size, self.config.batching.logprob_chunk_tokens, batch.logit_scale)
         # R2: the actor's old-log-prob pass records the routing its update will replay; R3 replays the engine's.
-        record = self.config.role == "actor" and self.config.router_replay == "r2" and batch.routing is None
+        record = self.role.records_routing and self.config.router_replay == "r2" and batch.routing is None
         routing = self._routing(micro_batches, record=record)
         with self._on_device(), torch.no_grad():
             try:
@@ -91,7 +92,7 @@ class MegatronWorker:
 
     def _routing(self, micro_batches: list[MicroBatch], *, record: bool = False) -> Optional[RoutingReplay]:
         """What records or replays the MoE routing of a pass (None: the routers choose)."""
-        if self.config.router_replay == "none" or self.config.role not in ("actor", "ref"):
+        if self.config.router_replay == "none" or not self.role.replays_routing:
             return None
         if not record and micro_batches and micro_batches[0].routing is None:
             if self.config.router_replay == "r3":
@@ -114,8 +115,7 @@ class MegatronWorker:
 
     def compute_values(self, batch: SequenceBatch) -> list[torch.Tensor]:
         """Per sequence, the critic's values ``[R_i]`` at the positions that predict response tokens."""
-        if self.config.role != "critic":
-            raise RuntimeError(f"compute_values needs a critic worker; this one is the {self.config.role}")
+        self.role.require("compute_values")
         micro_batches = self._micro_batches(batch)
         with self._on_device(), torch.no_grad():
             results = run_schedule(self.chunks, micro_batches, heads.value_head(), forward_only=True)
@@ -127,8 +127,7 @@ class MegatronWorker:
         is not the config's ``pad_token_id``, or at its last token when there is none
         (``rlmega.models.reward_head.score_position``). Prompt lengths, fields and temperature are
         not used."""
-        if self.config.role != "reward":
-            raise RuntimeError(f"compute_scores needs a reward worker; this one is the {self.config.role}")
+        self.role.require("compute_scores")
         pad_token_id = self.spec.score_head.pad_token_id
         scoring = reading_at(batch, [score_position(tokens, pad_token_id) for tokens in batch.tokens])
         micro_batches = self._micro_batches(scoring)
@@ -146,8 +145,7 @@ class MegatronWorker:
         critic needs ``values`` and ``returns``. Returns metrics averaged over the steps, named
         ``actor/...`` or ``critic/...``.
         """
-        if not self.config.trains:
-            raise RuntimeError(f"the {self.config.role} worker does not train; use role actor or critic")
+        self.role.require("update")
         if len(batch) < self.config.ppo_mini_batches:
             raise ValueError(f"batch of {len(batch)} sequences cannot make ppo_mini_batches={self.config.ppo_mini_batches}")
         steps = []
@@ -156,7 +154,7 @@ class MegatronWorker:
             for _ in range(self.config.ppo_epochs):
                 for indices in _contiguous_splits(len(batch), self.config.ppo_mini_batches):
                     steps.append(self._train_step(batch.select(indices)))
-        prefix = "critic" if self.config.role == "critic" else "actor"
+        prefix = self.role.name
         names = sorted({name for step in steps for name in step})
         metrics = {
             name if "/" in name else f"{prefix}/{name}": sum(step.get(name, 0.0) for step in steps) / len(steps)
@@ -172,7 +170,7 @@ class MegatronWorker:
         is 1 and the gradient is the separate pass's). Needs ``ppo_epochs == 1`` and
         ``ppo_mini_batches == 1`` and no ``old_logp`` field. Returns the metrics and, per sequence, the
         log-probs and entropies ``[R_i]`` of that forward pass (what ``compute_logprobs`` would give)."""
-        if self.config.role != "actor" or self.config.ppo_epochs != 1 or self.config.ppo_mini_batches != 1:
+        if not self.role.serves("update_on_policy") or self.config.ppo_epochs != 1 or self.config.ppo_mini_batches != 1:
             raise RuntimeError("update_on_policy needs the actor with ppo_epochs=1 and ppo_mini_batches=1: "
                                "with more optimizer steps per batch the old log-probs need their own pass")
         if "old_logp" in batch.fields:
@@ -187,8 +185,7 @@ class MegatronWorker:
     def sft_step(self, batch: SequenceBatch, lr: float) -> dict[str, float]:
         """One supervised step (NLL of the response tokens) at learning rate ``lr``, with the actor's
         optimizer (its state carries on into RL) and without advancing the RL schedule."""
-        if self.config.role != "actor":
-            raise RuntimeError(f"sft_step needs the actor worker; this one is the {self.config.role}")
+        self.role.require("sft_step")
         with self._on_device():
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -205,7 +202,7 @@ class MegatronWorker:
         if sft:
             head = heads.sft_head(batch, vocab_size=self.spec.vocab_size,
                                   chunk_tokens=self.config.batching.logprob_chunk_tokens, backward_scale=scale)
-        elif self.config.role == "critic":
+        elif self.role.output is Output.VALUES:
             head = heads.critic_head(batch, self.config.critic_loss, backward_scale=scale)
         else:
             head = heads.policy_head(
@@ -222,7 +219,7 @@ class MegatronWorker:
         metrics = combine_metrics(results, micro_batches)
         if routing is not None:  # how often the routers, left alone, would have chosen other experts
             metrics.update(routing.differing_fraction("update_differs"))
-        loss_name = "sft_loss" if sft else "vf_loss" if self.config.role == "critic" else "loss"
+        loss_name = "sft_loss" if sft else self.role.loss_metric
         if math.isfinite(metrics.get(loss_name, 0.0)) and self._grads_finite():
             if not sft:
                 self.scheduler.step(increment=1)  # the LR of optimizer step k is the schedule's value at k

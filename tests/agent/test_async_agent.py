@@ -11,7 +11,7 @@ import torch
 from rlmega.config import load_config
 from rlmega.rollout.protocol import Generation
 from rlmega.trainer.controller import Trainer
-from rlmega.trainer.prompts import PromptSource
+from rlmega.trainer.prompt_side import PromptSide, build_prompt_side
 
 from tests.trainer.fakes import (ROLLOUT_LOGP, FakeActor, FakeAsyncEngines, FakeEngines, FakeJob, MidGenerationActor,
                                  RecordedTakes)
@@ -59,12 +59,12 @@ class CalculatorEngines(FakeEngines):
         assert not self.asleep and params.n == 1
         self.calls.append(params)
         return [Generation(prompt_index=index, response_token_ids=tokens, logprobs=[ROLLOUT_LOGP] * len(tokens),
-                           finish_reason="stop", weight_version=self.version)
+                           finish_reason="stop", weight_version=self.served)
                 for index, tokens in enumerate(_turn_target(self, prompt, params) for prompt in prompts)]
 
 
-def _check_trajectories(prompts: PromptSource, rollouts, staleness_bound=None, step=None):
-    tokenizer = prompts.tokenizer
+def _check_trajectories(prompts: PromptSide, rollouts, staleness_bound=None, step=None):
+    tokenizer = prompts.data.tokenizer
     for tokens, prompt_length, mask, versions, logp in zip(
             rollouts.batch.tokens, rollouts.batch.prompt_lengths, rollouts.response_mask, rollouts.token_versions,
             rollouts.rollout_logp):
@@ -87,8 +87,8 @@ def _check_trajectories(prompts: PromptSource, rollouts, staleness_bound=None, s
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_async_trains_on_whole_multi_turn_trajectories_within_the_staleness_bound(tmp_path, assets, staleness):
     config = _config(tmp_path, assets, "rollout.mode=async", f"rollout.max_staleness={staleness}")
-    prompts = PromptSource(config)
-    engines = CalculatorAsyncEngines(prompts.tokenizer, prompts.stop_token_ids[0], tick_s=0.02)
+    prompts = build_prompt_side(config)
+    engines = CalculatorAsyncEngines(prompts.data.tokenizer, prompts.generator.stop_token_ids[0], tick_s=0.02)
     actor = FakeActor()
     trainer = Trainer(config, prompts, FakeJob(), actor, engines)
     recording = RecordedTakes(trainer)
@@ -104,8 +104,8 @@ def test_async_trains_on_whole_multi_turn_trajectories_within_the_staleness_boun
 def test_interrupted_turns_continue_with_newer_weights_and_keep_each_tokens_version(tmp_path, assets):
     config = _config(tmp_path, assets, "rollout.mode=async", "rollout.max_staleness=2",
                      "rollout.partial_rollout=continue")
-    prompts = PromptSource(config)
-    engines = CalculatorAsyncEngines(prompts.tokenizer, prompts.stop_token_ids[0], tick_s=0.3)
+    prompts = build_prompt_side(config)
+    engines = CalculatorAsyncEngines(prompts.data.tokenizer, prompts.generator.stop_token_ids[0], tick_s=0.3)
     actor = MidGenerationActor(engines)
     trainer = Trainer(config, prompts, FakeJob(), actor, engines)
     recording = RecordedTakes(trainer)
@@ -124,8 +124,8 @@ def test_interrupted_turns_continue_with_newer_weights_and_keep_each_tokens_vers
 
 def test_one_step_off_takes_multi_turn_trajectories_one_version_behind(tmp_path, assets):
     config = _config(tmp_path, assets, "rollout.mode=one_step_off")
-    prompts = PromptSource(config)
-    engines = CalculatorEngines(prompts.tokenizer, prompts.stop_token_ids[0])
+    prompts = build_prompt_side(config)
+    engines = CalculatorEngines(prompts.data.tokenizer, prompts.generator.stop_token_ids[0])
     trainer = Trainer(config, prompts, FakeJob(), FakeActor(), engines)
     recording = RecordedTakes(trainer)
     assert trainer.fit() == 0

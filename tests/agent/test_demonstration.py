@@ -9,7 +9,7 @@ from rlmega.agent.loop import example_of
 from rlmega.config import load_config
 from rlmega.errors import UserError
 from rlmega.rollout.protocol import SamplingParams
-from rlmega.trainer.prompts import PromptSource
+from rlmega.trainer.prompt_side import build_prompt_side
 
 from .helpers import record
 from .test_loop import CALL, EOS, TOKENIZER, encode, loop, turns
@@ -43,15 +43,15 @@ def _prompts(tmp_path, assets, *overrides):
     (tmp_path / "assets").symlink_to(assets)
     config = load_config("tiny_cpu_tools", [f"run_dir={tmp_path}", "trainer.prompts_per_step=2", "rollout.n=2",
                                             "trainer.sft_steps=2", *overrides])
-    return PromptSource(config)
+    return build_prompt_side(config)
 
 
 def test_the_tools_warm_start_trains_the_two_turns_only(tmp_path, assets):
     prompts = _prompts(tmp_path, assets)
     try:
-        batches = list(prompts.warm_start_batches())
+        batches = list(prompts.warm_start.batches())
         assert len(batches) == 2 and all(len(batch.tokens) == 4 for batch in batches)
-        tokenizer = prompts.tokenizer
+        tokenizer = prompts.data.tokenizer
         for tokens, prompt, mask in zip(batches[0].tokens, batches[0].prompt_lengths,
                                         batches[0].fields["response_mask"]):
             text = tokenizer.decode(tokens.tolist(), skip_special_tokens=False)
@@ -72,7 +72,7 @@ def test_a_demonstration_returning_no_list_names_the_row(tmp_path, assets):
     try:
         with pytest.raises(UserError, match=r"agent.demonstration .*demo.py:bad: returned 'a\+b=' for row \d+; it "
                                             "must return a list of assistant turn texts"):
-            next(prompts.warm_start_batches())
+            next(prompts.warm_start.batches())
     finally:
         prompts.close()
 

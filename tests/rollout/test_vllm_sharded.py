@@ -22,7 +22,7 @@ from rlmega.bridge import load_hf_weights
 from rlmega.models import build_chunks, model_spec_from_hf
 from rlmega.parallel.layout import ParallelLayout, destroy, initialize
 from rlmega.parallel.spawn import run_on_ranks
-from rlmega.config.schema import SyncConfig
+from rlmega.sync import SyncConfig
 from rlmega.sync.errors import TransportError
 
 from .fakes import fake_vllm_weight_transfer, one_thread
@@ -53,10 +53,11 @@ def _sync_on_rank(rank, world_size, layout, hf_dir, other_dir, folder, replicas,
                        for _ in range(replicas)]
     if through_trainer:  # the training ranks' glue (sync.transport=sharded_rdt) on a bare rank process
         process = RankProcess.__new__(RankProcess)
-        process.rank, process.spec, process._sharded = rank, spec, None
+        process.rank, process.spec, process.weight_sync = rank, spec, None
+        process.sync_config, process.post_sync_atol = SyncConfig(transport="sharded_rdt", timeout_s=120), 1e-3
         process.workers = {"actor": types.SimpleNamespace(chunks=chunks)}
-        config = SyncConfig(transport="sharded_rdt", timeout_s=120)
-        push = lambda version: process.push_weights(engines, version, config)  # rank 0's stats, None elsewhere
+        process.connect_engines(engines)  # the transport is chosen here, once
+        push = process.push_weights  # rank 0's stats, None elsewhere
     else:
         sync = ShardedSync(chunks, spec, engines, timeout_s=120)
         push = sync.push
@@ -68,7 +69,7 @@ def _sync_on_rank(rank, world_size, layout, hf_dir, other_dir, folder, replicas,
             for param in chunk.parameters():
                 param.add_(0.5)
     result["second"] = push(2)
-    sync = process._sharded if through_trainer else sync  # made at the first push, kept for the second
+    sync = process.weight_sync.transport if through_trainer else sync  # made once, kept for the second push
     result["served"] = sync.bytes
     if engines:
         result["after_second"] = [_engine_state(engine) for engine in engines]
@@ -174,7 +175,6 @@ def test_the_client_fans_out_and_names_a_failing_engine():
 
 def test_the_engines_belong_on_the_sender_only(vllm):
     from rlmega.sync.vllm_sharded import ShardedSync
-    from rlmega.trainer.training_group import RankProcess
 
     with pytest.raises(ValueError, match="engines on trainer rank 0 .*rank 0 got None"):
         ShardedSync([], None, None)

@@ -25,7 +25,8 @@ class FakeEngines:
 
     def __init__(self, tokenizer, stop_token_id: int):
         self.tokenizer, self.stop_token_id = tokenizer, stop_token_id
-        self.version, self.asleep, self.sleeps = 0, False, 0
+        self.served, self.asleep, self.sleeps = 0, False, 0
+        """``served``: the weight version the engines hold (``FakeActor.push_weights`` sets it)."""
         self.calls: list[SamplingParams] = []
         self.shut_down = False
 
@@ -40,11 +41,17 @@ class FakeEngines:
                 tokens = self.tokenizer.encode(str(answer), add_special_tokens=False) + [self.stop_token_id]
                 generations.append(Generation(prompt_index=i, response_token_ids=tokens,
                                               logprobs=[ROLLOUT_LOGP] * len(tokens), finish_reason="stop",
-                                              weight_version=self.version))
+                                              weight_version=self.served))
         return generations
 
-    def versions(self) -> list[int]:
-        return [self.version]
+    def handles(self) -> list:
+        return [self]
+
+    def version(self) -> int:
+        return self.served
+
+    def weight_version(self) -> int:
+        return self.served
 
     def sleep(self, level: int = 1) -> None:
         self.asleep = True
@@ -83,7 +90,8 @@ class FakeActor:
     def __init__(self, shift: float = 0.0):
         self.shift = shift
         self.logprob_batches, self.updates, self.sft_batches, self.pushed, self.checked = [], [], [], [], []
-        self.atols: list[float] = []
+        self.connected: list[list] = []
+        """The engines of every ``connect`` (the weight sync's), in order."""
 
     def compute_logprobs(self, batch):
         self.logprob_batches.append(batch)
@@ -105,16 +113,27 @@ class FakeActor:
         self.sft_batches.append((batch, lr))
         return {"sft_loss": 1.0}
 
-    def push_weights(self, engines, version: int, sync) -> SyncStats:
-        assert not engines.asleep, "weights pushed into a sleeping engine"
-        self.pushed.append((version, sync))
-        engines.version = version
+    def connect(self, engines: list) -> None:
+        self.connected.append(list(engines))
+
+    def push_weights(self, version: int) -> SyncStats:
+        for engine in self.connected[-1]:
+            assert not engine.asleep, "weights pushed into a sleeping engine"
+            engine.served = version
+        self.pushed.append(version)
         return SyncStats(version=version, tensors=1, bytes=8, seconds=1.0)
 
-    def post_sync_check(self, engines, probes, version: int, atol: float) -> float:
-        assert engines.version == version and probes and atol > 0
+    def check_weights(self, probes, version: int) -> float:
+        assert all(engine.served == version for engine in self.connected[-1]) and probes
         self.checked.append(version)
-        self.atols.append(atol)
+        return 0.0
+
+    def serve_replacement(self, engine, probes) -> float | None:
+        version = self.pushed[-1]
+        engine.served = version
+        if probes is None:
+            return None
+        self.checked.append(version)
         return 0.0
 
 
@@ -171,7 +190,7 @@ class FakeAsyncEngines(FakeEngines):
         future: Future = Future()
         with self._count_lock:
             self.in_flight += 1
-        version = self.version
+        version = self.served
 
         def run():
             try:

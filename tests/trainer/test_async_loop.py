@@ -14,8 +14,9 @@ import torch
 from rlmega.config import load_config
 from rlmega.trainer.async_rollouts import AsyncRollouts, _Done, _Group, _Response
 from rlmega.trainer.controller import Trainer
-from rlmega.trainer.prompts import PromptSource
+from rlmega.trainer.prompt_side import build_prompt_side
 from rlmega.trainer.resume import ResumeDecision
+from rlmega.trainer.schedules import rollout_schedule
 
 from .fakes import (ROLLOUT_LOGP, FakeActor, FakeAsyncEngines, FakeEngines, FakeJob, FakeReference, MidGenerationActor,
                     RecordedTakes)
@@ -43,8 +44,8 @@ def _config(tmp_path, assets, *overrides):
 def _async_trainer(tmp_path, assets, *overrides, tick_s=0.02, actor=None, job=None, engines=FakeAsyncEngines,
                    start=ResumeDecision()):
     config = _config(tmp_path, assets, *overrides)
-    prompts = PromptSource(config)
-    engines = engines(prompts.tokenizer, prompts.stop_token_ids[0], tick_s=tick_s)
+    prompts = build_prompt_side(config)
+    engines = engines(prompts.data.tokenizer, prompts.generator.stop_token_ids[0], tick_s=tick_s)
     actor = actor(engines) if actor else FakeActor()
     trainer = Trainer(config, prompts, job or FakeJob(), actor, engines,
                       reference=FakeReference() if config.needs_reference else None, start=start)
@@ -125,10 +126,10 @@ def test_dynamic_sampling_drops_equal_groups_in_async_mode(tmp_path, assets):
 @pytest.mark.parametrize("policy", ["regenerate", "drop"])
 def test_stale_groups_are_regenerated_or_dropped(tmp_path, assets, policy):
     config = _config(tmp_path, assets, "rollout.max_staleness=1", f"rollout.stale_groups={policy}")
-    prompts = PromptSource(config)
-    engines = FakeAsyncEngines(prompts.tokenizer, prompts.stop_token_ids[0])
-    schedule = AsyncRollouts(config, prompts, engines)
-    record = prompts.dataset.batch([0])[0]
+    prompts = build_prompt_side(config)
+    engines = FakeAsyncEngines(prompts.data.tokenizer, prompts.generator.stop_token_ids[0])
+    schedule = rollout_schedule(prompts, engines)
+    record = prompts.data.dataset.batch([0])[0]
     fresh = _Group(0, record, [_Response([1], [-0.5], [3], "stop")] * N)
     stale = _Group(1, record, [_Response([1, 2], [-0.5, -0.5], [1, 3], "stop")] * N)  # oldest token: version 1
     schedule._version = 3
@@ -169,7 +170,7 @@ def test_resume_neither_loses_nor_repeats_a_prompt(tmp_path, assets):
     after = [i for step in (3, 4, 5, 6) for i in second.taken[step].prompt_indices]
     trained = before + after
     assert len(set(trained)) == len(trained), "a prompt was trained on twice"
-    order = trainer.prompts.sampler.epoch_order(0)
+    order = trainer.prompts.data.sampler.epoch_order(0)
     # Every prompt of the epoch's order up to the last one trained was trained, bar the few still in flight.
     last = max(order.index(i) for i in trained)
     missing = [i for i in order[:last] if i not in trained]
@@ -179,8 +180,8 @@ def test_resume_neither_loses_nor_repeats_a_prompt(tmp_path, assets):
 def test_one_step_off_equals_a_synchronous_run_with_rollouts_delayed_by_one_step(tmp_path, assets, monkeypatch):
     def run(directory, overlap):
         config = _config(directory, assets, "rollout.mode=one_step_off", "rollout.temperature=0.7")
-        prompts = PromptSource(config)
-        engines, actor = FakeEngines(prompts.tokenizer, prompts.stop_token_ids[0]), FakeActor()
+        prompts = build_prompt_side(config)
+        engines, actor = FakeEngines(prompts.data.tokenizer, prompts.generator.stop_token_ids[0]), FakeActor()
         trainer = Trainer(config, prompts, FakeJob(), actor, engines, reference=FakeReference())
         trainer.schedule.overlap = overlap
         recording = RecordedTakes(trainer)

@@ -123,7 +123,7 @@ def test_the_run_takes_the_prompts_the_checks_read(run_dir, tmp_path):
     """Read and tokenized once: the checks hand their datasets to the run, which reads no data file again."""
     import shutil
 
-    from rlmega.trainer.prompts import PromptSource
+    from rlmega.trainer.prompt_side import build_prompt_side
 
     data = tmp_path / "data"
     data.mkdir()
@@ -133,10 +133,10 @@ def test_the_run_takes_the_prompts_the_checks_read(run_dir, tmp_path):
                                       f"val_data.files=[{data / 'val.parquet'}]"], check=False)
     datasets = validate(config)
     shutil.rmtree(data)
-    prompts = PromptSource(config, datasets=datasets)
+    prompts = build_prompt_side(config, datasets)
     try:
-        assert prompts.dataset is datasets.train and prompts.val_dataset is datasets.val
-        assert len(prompts.dataset) == 64 and len(prompts.val_dataset) == 16
+        assert prompts.data.dataset is datasets.train and prompts.data.val_dataset is datasets.val
+        assert len(prompts.data.dataset) == 64 and len(prompts.data.val_dataset) == 16
     finally:
         prompts.close()
 

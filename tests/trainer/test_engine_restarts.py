@@ -16,7 +16,7 @@ from rlmega.errors import UserError
 from rlmega.trainer.controller import Trainer
 from rlmega.trainer.engine_restarts import EngineRestarts
 from rlmega.trainer.in_process import runs_in_process
-from rlmega.trainer.prompts import PromptSource
+from rlmega.trainer.prompt_side import build_prompt_side
 from rlmega.trainer.remote import WorkerFailure, failure_of
 
 from .fakes import FakeActor, FakeAsyncEngines, FakeJob, FakeReference
@@ -88,10 +88,10 @@ class _Handle:
     asleep = False
 
     def __init__(self):
-        self.version = 0
+        self.served = 0
 
     def weight_version(self) -> int:
-        return self.version
+        return self.served
 
 
 class DyingEngines(FakeAsyncEngines):
@@ -128,12 +128,20 @@ class DyingEngines(FakeAsyncEngines):
             self.restarts.serve(self.engines[index])
             self.unserved.discard(index)
 
+    def handles(self) -> list:
+        # As RolloutGroup's: a new handle for a replacement, which gets its weights from ``rejoin`` first.
+        return [] if self.unserved else [self, *self.engines]
+
+    def version(self):
+        return None if self.unserved else self.served
+
 
 def _dying_trainer(tmp_path, assets, die_in, *overrides):
     config = _config(tmp_path, assets, "rollout.restart_dead_engines=1", "sync.post_sync_check=true",
                      "sync.check_every=1000", f"trainer.total_steps={STEPS}", *overrides)
-    prompts = PromptSource(config)
-    engines = DyingEngines(prompts.tokenizer, prompts.stop_token_ids[0], EngineRestarts(config.rollout), die_in)
+    prompts = build_prompt_side(config)
+    engines = DyingEngines(prompts.data.tokenizer, prompts.generator.stop_token_ids[0], EngineRestarts(config.rollout),
+                           die_in)
     actor = FakeActor()
     trainer = Trainer(config, prompts, FakeJob(), actor, engines,
                       reference=FakeReference() if config.needs_reference else None)
@@ -148,7 +156,9 @@ def test_async_resubmits_a_dead_engines_requests_to_its_checked_replacement(tmp_
     assert sum(row["rollout/engine_restarts"] for row in rows) == 1
     assert sum(row["rollout/resubmitted_requests"] for row in rows) == engines.lost_responses
     assert len(actor.checked) == 2  # the first sync's check, and the replacement's whatever sync.check_every says
-    assert engines.engines[0].version >= 1  # the replacement serves what the trainer trained
+    assert engines.engines[0].served >= 1  # the replacement serves what the trainer trained
+    # The run's weight sync is set up again at the next sync once the engines it feeds changed.
+    assert actor.connected[-1] == [engines, engines.engines[0]] and actor.connected[0][1] is not engines.engines[0]
     trained = [json.loads(line)["prompts"] for line in (tmp_path / "trained_prompts.jsonl").read_text().splitlines()]
     flat = [index for prompts in trained for index in prompts]
     assert len(trained) == STEPS and len(flat) == len(set(flat)) == STEPS * PROMPTS

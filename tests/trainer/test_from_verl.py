@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rlmega.algos import GSPOLossConfig, PPOLossConfig
 from rlmega.config import load_config
 from rlmega.config.verl import (
     VERL_SETTINGS,
@@ -70,7 +71,7 @@ def test_grpo_example_translates_and_loads(tmp_path):
     loss = config.actor.policy_loss
     assert (loss.name, loss.kl_loss_coef, loss.kl_estimator, loss.entropy_coeff) == ("ppo", 0.001, "low_var_kl", 0.0)
     assert (loss.clip_ratio_low, loss.clip_ratio_high, loss.clip_ratio_c) == (0.2, 0.2, 3.0)  # verl's vanilla dual-clips
-    assert loss.loss_kwargs()["clip_ratio_c"] == 3.0
+    assert loss.loss_config() == PPOLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)
     assert config.algorithm.adv_estimator == "grpo" and config.algorithm.kl_in_reward_coef == 0.0
     assert (config.layout.tp, config.layout.pp, config.layout.world_size) == (2, 2, 8)
     assert config.data.files == GRPO_MEGATRON["data"]["train_files"]
@@ -199,7 +200,8 @@ def test_gspo_averages_per_sequence_and_takes_only_its_parameters(tmp_path):
     loss = load(tmp_path, overrides).actor.policy_loss
     assert (loss.name, loss.loss_agg_mode, loss.clip_ratio_low, loss.clip_ratio_high) == (
         "gspo", "seq-mean-token-mean", 3e-4, 4e-4)
-    assert loss.clip_ratio_c is None and "clip_ratio_c" not in loss.loss_kwargs()
+    assert loss.clip_ratio_c is None and loss.loss_config() == GSPOLossConfig(
+        loss_agg_mode="seq-mean-token-mean", clip_ratio_low=3e-4, clip_ratio_high=4e-4)
 
 
 def test_estimator_names_cross_over(tmp_path):

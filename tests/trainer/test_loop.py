@@ -12,7 +12,7 @@ from rlmega import algos
 from rlmega.config import load_config
 from rlmega.trainer.advantages import compute_advantages
 from rlmega.trainer.controller import Trainer
-from rlmega.trainer.prompts import PromptSource
+from rlmega.trainer.prompt_side import build_prompt_side
 
 from .fakes import REF_SHIFT, ROLLOUT_LOGP, FakeActor, FakeCritic, FakeEngines, FakeJob, FakeReference
 
@@ -33,8 +33,9 @@ def _trainer(tmp_path, assets, *overrides, shift=0.0):
         "rollout.val_temperature=0",
         "reward.num_workers=1", "metrics.backends=[jsonl]", "metrics.plot=false", "actor.ppo_mini_batches=1",
         *overrides])
-    prompts = PromptSource(config)
-    parts = dict(job=FakeJob(), actor=FakeActor(shift), engines=FakeEngines(prompts.tokenizer, prompts.stop_token_ids[0]),
+    prompts = build_prompt_side(config)
+    engines = FakeEngines(prompts.data.tokenizer, prompts.generator.stop_token_ids[0])
+    parts = dict(job=FakeJob(), actor=FakeActor(shift), engines=engines,
                  reference=FakeReference() if config.needs_reference else None,
                  critic=FakeCritic() if config.needs_critic else None)
     return Trainer(config, prompts, **parts), parts
@@ -53,11 +54,11 @@ def test_colocated_parts_take_turns_with_memory_only_where_that_frees_some(tmp_p
 
 def _scores(trainer, batch):
     """The rule score of every response of ``batch``, recomputed from its tokens."""
-    truth = {tuple(r.prompt_token_ids): str(r.ground_truth) for r in trainer.prompts.dataset.batch(
-        list(range(len(trainer.prompts.dataset))))}
+    truth = {tuple(r.prompt_token_ids): str(r.ground_truth) for r in trainer.prompts.data.dataset.batch(
+        list(range(len(trainer.prompts.data.dataset))))}
     scores = []
     for tokens, prompt in zip(batch.tokens, batch.prompt_lengths):
-        answer = trainer.prompts.tokenizer.decode(tokens[prompt:].tolist(), skip_special_tokens=True)
+        answer = trainer.prompts.data.tokenizer.decode(tokens[prompt:].tolist(), skip_special_tokens=True)
         scores.append(float(answer.strip() == truth[tuple(tokens[:prompt].tolist())]))
     return torch.tensor(scores)
 
@@ -69,9 +70,8 @@ def test_grpo_loop_calls_each_part_with_the_right_data(tmp_path, assets):
     actor, engines, job, reference = parts["actor"], parts["engines"], parts["job"], parts["reference"]
     assert len(actor.sft_batches) == 1 and actor.sft_batches[0][1] == trainer.config.trainer.sft_lr
     assert reference.copied == 1  # the reference is the warm-started actor
-    assert [version for version, _ in actor.pushed] == actor.checked == [0, 1, 2, 3]
-    assert actor.atols == [1e-3] * 4  # fp32 on both sides
-    assert all(sync is trainer.config.sync for _, sync in actor.pushed)
+    assert actor.pushed == actor.checked == [0, 1, 2, 3]
+    assert actor.connected == [[engines]]  # the weight sync is set up once, into the run's engines
     assert job.offloads == [True, False] * STEPS  # colocated: training offloaded while engines generate
     assert [params.temperature for params in engines.calls] == [0.7] * STEPS
     assert len(actor.updates) == len(actor.logprob_batches) == STEPS and engines.shut_down and job.shut_down
@@ -122,7 +122,6 @@ def test_post_sync_check_at_its_cadence_and_always_first(tmp_path, assets):
     trainer, parts = _trainer(tmp_path, assets, "algo=grpo", "sync.check_every=2", "sync.post_sync_atol=0.2")
     trainer.fit()
     assert parts["actor"].checked == [0, 2]  # the first sync, then every second
-    assert parts["actor"].atols == [0.2, 0.2]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert ["sync/max_logprob_diff" in row for row in rows] == [False, True, False]
 
@@ -227,7 +226,7 @@ def test_run_hygiene_epochs_validation_samples_and_critic_warmup(tmp_path, asset
     trainer, parts = _trainer(tmp_path, assets, "algo=ppo", "trainer.total_epochs=2", "trainer.val_every=4",
                               "trainer.val_before_train=false", "trainer.log_val_generations=2", "trainer.val_prompts=3",
                               "trainer.critic_warmup=2", "trainer.max_checkpoints_to_keep=3", "trainer.save_every=4")
-    steps_per_epoch = len(trainer.prompts.dataset) // PROMPTS
+    steps_per_epoch = len(trainer.prompts.data.dataset) // PROMPTS
     assert trainer.total_steps == 2 * steps_per_epoch == 32  # total_epochs decides, not total_steps
     assert trainer.fit() == 0
     assert len(parts["critic"].updates) == 32 and len(parts["actor"].updates) == 30  # two critic-only steps

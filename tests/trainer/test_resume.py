@@ -13,7 +13,7 @@ import pytest
 from rlmega.config import load_config
 from rlmega.errors import UserError
 from rlmega.trainer.controller import Trainer
-from rlmega.trainer.prompts import PromptSource
+from rlmega.trainer.prompt_side import build_prompt_side
 from rlmega.trainer.resume import ResumeDecision, decide_resume, prepare_first_save
 from rlmega.trainer.resume_settings import SETTINGS, leaf_names
 
@@ -165,11 +165,12 @@ def test_a_run_of_epochs_past_its_last_step_is_refused_by_the_trainer(tmp_path, 
     (tmp_path / "assets").symlink_to(assets)
     config = load_config("tiny_cpu", [f"run_dir={tmp_path}", *ONE_RANK, "trainer.total_epochs=1",
                                       f"data.files=['{assets / 'train.parquet'}']", "metrics.backends=[jsonl]"])
-    prompts = PromptSource(config)
+    prompts = build_prompt_side(config)
+    engines = FakeEngines(prompts.data.tokenizer, prompts.generator.stop_token_ids[0])
     try:
         with pytest.raises(UserError, match=r"already reached step 17, and trainer.total_epochs=1 asks for 16 steps"):
-            Trainer(config, prompts, FakeJob(), FakeActor(), FakeEngines(prompts.tokenizer, prompts.stop_token_ids[0]),
-                    reference=FakeReference(), start=ResumeDecision(step=17))
+            Trainer(config, prompts, FakeJob(), FakeActor(), engines, reference=FakeReference(),
+                    start=ResumeDecision(step=17))
     finally:
         prompts.close()
 

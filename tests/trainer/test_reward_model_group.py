@@ -4,7 +4,7 @@ and the frozen reward model is neither offloaded with the trained roles nor chec
 import torch
 
 from rlmega.trainer.roles import RewardModel, RewardModelGroup
-from rlmega.trainer.training_group import RankProcess
+from rlmega.trainer.training_group import RankCalls, RankProcess
 from rlmega.workers.batching import SequenceBatch
 from rlmega.workers.config import WorkerConfig
 
@@ -40,12 +40,12 @@ class _Handle:
         return _Method(getattr(self._process, name))
 
 
-class _Ranks:
+class _Ranks(RankCalls):
     def __init__(self, processes):
         self.handles = [_Handle(process) for process in processes]
 
-    def first(self, call, what, timeout_s=None):
-        return [call(handle) for handle in self.handles][0]
+    def _on_ranks(self, call, what, timeout_s=None):
+        return [call(handle) for handle in self.handles]
 
 
 def _processes():

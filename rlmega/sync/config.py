@@ -1,0 +1,76 @@
+"""The ``sync`` section of a run's config: how trained weights reach the engines, and how they are checked.
+
+``WeightSync.build`` makes the run's weight sync on a training rank from it; ``problems`` says what in the section
+contradicts the rest of the run; ``engine_arguments`` what the engines must be built with for its transport. Every
+rule that depends on which transport was chosen lives here, so nothing above ``rlmega.sync`` names a transport.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+SHARDED_RDT = "sharded_rdt"
+"""vLLM's own weight transfer (``rlmega.sync.vllm_sharded``): every training rank serves its slices."""
+
+
+def transport_names() -> tuple[str, ...]:
+    """Every value ``sync.transport`` takes but ``auto``."""
+    from rlmega.sync.registry import TRANSPORTS
+
+    return (*TRANSPORTS, SHARDED_RDT)
+
+
+@dataclasses.dataclass
+class SyncConfig:
+    """The weight sync after every update: trained weights into the engines (see rlmega/sync/README.md)."""
+
+    bucket_bytes: int = 64 * 1024**2
+    """Bucket size: the export gathers and sends this many bytes at a time."""
+    transport: str = "auto"
+    """in_process | object_store | shared_memory | broadcast | auto (by where the engines run), or sharded_rdt:
+    vLLM's own transfer, each engine worker pulling only its slices from every training rank (vLLM engines;
+    needs Ray's NIXL transport; rlmega/sync/README.md)."""
+    timeout_s: float = 600.0
+    """Longest wait for one bucket (or the whole sync) before the run stops naming the engine."""
+    post_sync_check: bool = True
+    """Score greedy probes with the engine and the trainer after a sync; stop if they disagree."""
+    post_sync_atol: Optional[float] = None
+    """Largest log-prob difference (nats) the post-sync check lets through. None: by precision (see
+    ``RLConfig.post_sync_atol``): 1e-3 when trainer and engines both compute in fp32, 0.5 when either
+    computes in bf16, where two sets of kernels differ by tenths of a nat on a greedy token and a wrong
+    weight mapping by several nats."""
+    check_every: int = 1
+    """Run the post-sync check after every k-th sync (always after the run's first one): its cost is
+    one greedy generation and one forward pass of a few probe prompts."""
+
+    def checks(self, version: int, first_version: int) -> bool:
+        """Whether the sync of ``version`` runs the post-sync check (the run's first sync, ``first_version``, always)."""
+        return self.post_sync_check and (version == first_version or version % self.check_every == 0)
+
+    def problems(self, rollout_backend: str, restarts_engines: bool) -> list[tuple[str, str]]:
+        """What in this section contradicts the rest of the run, as (key, what to do) pairs: ``rollout_backend`` is
+        ``rollout.backend``, ``restarts_engines`` whether ``rollout.restart_dead_engines`` is on."""
+        found = []
+        if self.transport != "auto" and self.transport not in transport_names():
+            found.append(("sync.transport", f"{self.transport!r} is not one of auto, "
+                                            f"{', '.join(sorted(transport_names()))}"))
+        if self.transport == SHARDED_RDT and rollout_backend != "vllm":
+            found.append(("sync.transport", f"{SHARDED_RDT} is vLLM's own weight transfer, but rollout.backend is "
+                                            f"{rollout_backend!r}: set rollout.backend=vllm, or choose another transport"))
+        if self.transport == SHARDED_RDT and restarts_engines:
+            found.append(("rollout.restart_dead_engines",
+                          f"sync.transport={SHARDED_RDT} plans its transfers for the engines of the first sync, so a "
+                          "restarted engine would get no weights; choose another transport, or set it to 0"))
+        if self.bucket_bytes <= 0 or self.timeout_s <= 0:
+            found.append(("sync.bucket_bytes / sync.timeout_s", "must be > 0"))
+        if self.check_every < 1:
+            found.append(("sync.check_every", "must be >= 1"))
+        if self.post_sync_atol is not None and self.post_sync_atol <= 0:
+            found.append(("sync.post_sync_atol", "must be > 0 (null: chosen by the run's precision)"))
+        return found
+
+    def engine_arguments(self) -> dict:
+        """What a vLLM engine must be built with for this transport: vLLM runs the weight-transfer backend it was
+        built with."""
+        return {"weight_transfer": SHARDED_RDT} if self.transport == SHARDED_RDT else {}
