@@ -11,7 +11,6 @@ all three engines follow the same rules and messages.
 from __future__ import annotations
 
 import difflib
-import functools
 import json
 import threading
 from abc import ABC, abstractmethod
@@ -27,7 +26,8 @@ from safetensors import safe_open
 from rlmega.rollout.protocol import FinishReason, Generation, SamplingParams, UnknownWeightError
 from rlmega.rollout.sampling import request_generator
 from rlmega.rollout.weight_group import DEFAULT_GROUP_NAME, WeightMeta
-from rlmega.rollout.weight_updates import WeightBook, WeightUpdates, check_shape
+from rlmega.rollout.engine_lock import runs_model, serialised
+from rlmega.rollout.weight_updates import UpdateSteps, WeightBook, WeightUpdates, check_shape
 from rlmega.data.schema import ImageInputs
 
 DEFAULT_BUCKET_BYTES = 256 * 1024**2
@@ -281,28 +281,6 @@ def paused_generations(per_prompt: list[SamplingParams], version: int) -> list[G
                        weight_version=version) for i, _ in sample_requests(per_prompt)]
 
 
-def runs_model(method):
-    """Mark an engine method that runs the model or touches the weights: a threaded host runs all of them on
-    one thread (``rlmega.trainer.engine_actor.engine_actor_class``)."""
-    method.runs_model = True
-    return method
-
-
-def serialised(method):
-    """Run an engine method holding ``self._lock`` (a ``threading.RLock``); marked ``runs_model``.
-
-    A threaded Ray actor calls the engine from several threads, so that ``pause_generation`` reaches a
-    running ``generate``. Everything that runs the model or touches the weights (generate, the update
-    steps, sleep, wake) takes the lock, one at a time; ``pause_generation``, ``resume_generation``,
-    ``weight_version`` and ``health`` do not, so they answer while a call runs.
-    """
-    @functools.wraps(method)
-    def locked(self, *args, **kwargs):
-        with self._lock:
-            return method(self, *args, **kwargs)
-    return runs_model(locked)
-
-
 # ---------------------------------------------------------------------------------------------- weights
 
 class CheckpointWeights:
@@ -376,7 +354,7 @@ def adapter_settings(adapter: str, user_kwargs: dict, settings: dict) -> dict:
     return {**user_kwargs, **settings}
 
 
-class EngineAdapter(ABC):
+class EngineAdapter(UpdateSteps, ABC):
     """``RolloutEngine`` over an external engine that loads the checkpoint format: everything but the
     engine calls, which a subclass supplies as the abstract ``_engine_*`` methods (each a call into its
     module's version-gated API section).
@@ -517,25 +495,6 @@ class EngineAdapter(ABC):
         self._paused.clear()
 
     # ------------------------------------------------------------------ weights, colocated
-
-    @serialised
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """See ``RolloutEngine.update_weights``: checked, bucketed, loaded by every worker."""
-        self.begin_update(version)
-        self.write_weights(named_tensors)
-        self.commit_update()
-
-    @serialised
-    def begin_update(self, version: int) -> None:
-        self._updates.begin(version)
-
-    @serialised
-    def write_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._updates.write(named_tensors)
-
-    @serialised
-    def commit_update(self) -> None:
-        self._updates.commit()
 
     def _checked_buckets(self, named_tensors: Iterable[tuple[str, torch.Tensor]]):
         return checked_buckets(named_tensors, self.weights, self.bucket_bytes)

@@ -17,14 +17,15 @@ from collections.abc import Iterable, Sequence
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, DynamicCache, PreTrainedModel
 
-from rlmega.rollout.engine_common import check_requests, paused_generations, runs_model, serialised
+from rlmega.rollout.engine_common import check_requests, paused_generations
+from rlmega.rollout.engine_lock import runs_model, serialised
 from rlmega.rollout.hf_routing import RoutingRecorder, routing_or_none
 from rlmega.rollout.hf_weights import HFWeightMap, WeightTarget
 from rlmega.models.vision_language import VISION_LANGUAGE_MODEL_TYPES, mrope_positions, vision_spec_from_hf
 from rlmega.rollout.protocol import Generation, SamplingParams
 from rlmega.data.schema import ImageInputs
 from rlmega.rollout.sampling import RowSampling, request_generator, select_next_tokens
-from rlmega.rollout.weight_updates import WeightBook, WeightUpdates, check_shape
+from rlmega.rollout.weight_updates import UpdateSteps, WeightBook, WeightUpdates, check_shape
 
 PAD_TOKEN_ID = 0  # left padding is masked out, so any in-vocabulary id works
 
@@ -40,7 +41,7 @@ def left_pad(sequences: list[list[int]], device: torch.device) -> tuple[torch.Te
     return input_ids.to(device), attention_mask.to(device)
 
 
-class HFEngine:
+class HFEngine(UpdateSteps):
     """Implements ``RolloutEngine`` on a Hugging Face model.
 
     ``model`` is a checkpoint directory (loaded with ``attn_implementation`` if given) or a loaded
@@ -206,28 +207,6 @@ class HFEngine:
                 position_ids = position_ids[:, -1:] + 1
 
     # ------------------------------------------------------------------ weights
-
-    @serialised
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """See ``RolloutEngine.update_weights``. Tensors are copied in as they arrive, cast to the engine's
-        dtype; nothing of the stream is held beyond the tensor being copied."""
-        self.begin_update(version)
-        self.write_weights(named_tensors)
-        self.commit_update()
-
-    # The three steps of an update, callable one by one so a remote trainer can stream buckets.
-
-    @serialised
-    def begin_update(self, version: int) -> None:
-        self._updates.begin(version)
-
-    @serialised
-    def write_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._updates.write(named_tensors)
-
-    @serialised
-    def commit_update(self) -> None:
-        self._updates.commit()
 
     def _checked_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]):
         """Each tensor a bucket of its own, checked as it arrives: nothing of the stream is held beyond it."""

@@ -40,11 +40,10 @@ from rlmega.rollout.engine_common import (
     EngineResponse,
     ModelFacts,
     adapter_settings,
-    runs_model,
-    serialised,
     check_version,
     image_token_runs,
 )
+from rlmega.rollout.engine_lock import runs_model, serialised
 from rlmega.rollout.protocol import SamplingParams
 from rlmega.rollout.weight_group import WeightMeta
 from rlmega.data.schema import ImageInputs

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import torch
 
+from rlmega.rollout.engine_lock import serialised
 from rlmega.rollout.protocol import EngineNotReadyError
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -129,3 +130,31 @@ class WeightUpdates:
         self.book.commit()
         if self._committed is not None:
             self._committed(version)
+
+
+class UpdateSteps:
+    """An engine's weight-update methods (``RolloutEngine.update_weights`` and its three steps, callable one by one
+    so a remote trainer can stream buckets), each under the engine's lock, over its ``WeightUpdates``
+    (``self._updates``). ``HFEngine`` and ``EngineAdapter`` take them from here."""
+
+    _updates: WeightUpdates
+
+    @serialised
+    def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        """Begin, write the stream as it arrives (checked, bucketed, nothing of it held beyond the bucket being
+        written), commit ``version``: see ``RolloutEngine.update_weights``."""
+        self.begin_update(version)
+        self.write_weights(named_tensors)
+        self.commit_update()
+
+    @serialised
+    def begin_update(self, version: int) -> None:
+        self._updates.begin(version)
+
+    @serialised
+    def write_weights(self, named_tensors: NamedTensors) -> None:
+        self._updates.write(named_tensors)
+
+    @serialised
+    def commit_update(self) -> None:
+        self._updates.commit()

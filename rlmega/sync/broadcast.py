@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from rlmega.sync.buckets import NamedTensors, layout, pack, unpack
-from rlmega.sync.control import Address, Channel, Kept, Watch, abort_stream, end_stream, forget_update, receive_kept
+from rlmega.sync.control import Address, Channel, Kept, end_stream, forget_update, receive_kept
 from rlmega.sync.errors import TransportError
-from rlmega.sync.transports import DEFAULT_TIMEOUT_S, in_thread, start_update
+from rlmega.sync.store_sender import StoreSender
+from rlmega.sync.transports import DEFAULT_TIMEOUT_S, in_thread
 
 BACKENDS = ("gloo", "nccl")
 
@@ -50,7 +51,7 @@ def _broadcast_from_rank0(group, flat: torch.Tensor):
     return group.broadcast([flat], options)
 
 
-class BroadcastTransport:
+class BroadcastTransport(StoreSender):
     """Sender of the ``broadcast`` transport (see the module docstring).
 
     ``backend``: "gloo" or "nccl" (default: nccl where CUDA is available, else gloo). ``host`` must
@@ -64,44 +65,20 @@ class BroadcastTransport:
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend not in BACKENDS:
             raise ValueError(f"broadcast backend must be one of {BACKENDS}, got {backend!r}")
-        self.bucket_bytes = bucket_bytes
-        self.timeout_s = timeout_s
-        self.host = host
+        super().__init__(bucket_bytes=bucket_bytes, timeout_s=timeout_s, host=host)
         self.backend = backend
-        self._channel: Optional[Channel] = None
-        self._address: Optional[Address] = None
-        self._watch: Optional[Watch] = None
-        self._num_receivers = 0
         self._group = None
         self._slots: list[Optional[torch.Tensor]] = [None, None]
         self._works: list = [None, None]
-        self._update = 0  # updates started; each one's control keys are under "{update}/"
-        self._sent = 0
-        self._failed = False
-
-    @property
-    def _prefix(self) -> str:
-        return f"{self._update}/"
 
     def listen(self, num_receivers: int) -> list["BroadcastReceiver"]:
         """Start an update (and the control channel, on the first or after a failure); returns one
         receiver per engine process (group ranks 1..N), each to be iterated in its engine's process
         (``engine.update_weights(receiver, version)``)."""
-        if num_receivers < 1:
-            raise ValueError(f"need at least one receiver, got {num_receivers}")
-        if self._channel is None or num_receivers != self._num_receivers:
-            self.release()
-            self._channel, self._address = Channel.serve(self.host, self.timeout_s)
-            self._num_receivers = num_receivers
-        self._update += 1
-        self._works, self._sent, self._failed = [None, None], 0, False
-        self._watch = Watch([], self.timeout_s, self._channel, self._prefix)
+        self._start_update(num_receivers)
+        self._works = [None, None]
         return [BroadcastReceiver(self._address, rank, num_receivers + 1, self.backend, self._update)
                 for rank in range(1, num_receivers + 1)]
-
-    def open(self, engines: Sequence, version: int) -> None:
-        receivers = self.listen(len(engines))
-        self._watch.futures = [start_update(engine, receiver, version) for engine, receiver in zip(engines, receivers)]
 
     def send(self, bucket: NamedTensors) -> None:
         metas, nbytes = layout(bucket)
@@ -124,17 +101,8 @@ class BroadcastTransport:
         end_stream(self._channel, self._watch, self._sent, ranks, self._prefix)
         forget_update(self._channel, self._prefix, ranks, self._sent)
 
-    def abort(self, reason: str) -> None:
-        self._failed = True
-        abort_stream(self._channel, self._watch, self._sent, reason, self._prefix)
-
-    def close(self) -> None:
-        """End of an update: a failed one releases the group, the buffers and the store; a complete one
-        keeps them for the next."""
-        if self._failed:
-            self.release()
-
     def release(self) -> None:
+        """Drop the group, the buffers and the control store."""
         self._group = None
         self._works = [None, None]
         self._slots = [None, None]

@@ -25,8 +25,9 @@ import torch
 
 from rlmega.parallel.shm import create_region, map_region
 from rlmega.sync.buckets import ALIGN_BYTES, NamedTensors, layout, pack, unpack
-from rlmega.sync.control import Address, Channel, Kept, Watch, abort_stream, end_stream, forget_update, receive_kept
-from rlmega.sync.transports import DEFAULT_TIMEOUT_S, start_update
+from rlmega.sync.control import Address, Channel, Kept, end_stream, forget_update, receive_kept
+from rlmega.sync.store_sender import StoreSender
+from rlmega.sync.transports import DEFAULT_TIMEOUT_S
 
 SHM_PREFIX = "rlmega-sync-"
 IPC_DEVICE_ARG = 6  # torch.multiprocessing.reductions.rebuild_cuda_tensor's storage_device argument
@@ -105,7 +106,7 @@ class _Region:
             self.path = None
 
 
-class SharedMemoryTransport:
+class SharedMemoryTransport(StoreSender):
     """Sender of the ``shared_memory`` transport (see the module docstring).
 
     ``bucket_bytes`` sizes the two slots (a larger bucket grows them); ``timeout_s`` bounds every
@@ -120,44 +121,20 @@ class SharedMemoryTransport:
 
     def __init__(self, *, bucket_bytes: int, timeout_s: float = DEFAULT_TIMEOUT_S,
                  host: str = "127.0.0.1", directory: str = "/dev/shm"):
-        self.bucket_bytes = bucket_bytes
-        self.timeout_s = timeout_s
-        self.host = host
+        super().__init__(bucket_bytes=bucket_bytes, timeout_s=timeout_s, host=host)
         self.directory = directory
-        self._channel: Optional[Channel] = None
-        self._address: Optional[Address] = None
-        self._watch: Optional[Watch] = None
-        self._num_receivers = 0
         self._region: Optional[_Region] = None
         self._generation = 0  # grows over the transport's life, so a receiver never confuses two regions
-        self._update = 0  # updates started; each one's control keys are under "{update}/"
         self._base = 0  # buckets sent in earlier updates (a region's first bucket counts over the whole life)
-        self._sent = 0  # in this update
         self._acked = -1  # every bucket of this update up to this one has been copied by every receiver
-        self._failed = False
-
-    @property
-    def _prefix(self) -> str:
-        return f"{self._update}/"
 
     def listen(self, num_receivers: int) -> list["SharedMemoryReceiver"]:
         """Start an update (and the control channel, on the first or after a failure); returns one
         receiver per engine, to be iterated in the engine's process (``engine.update_weights(receiver, version)``)."""
-        if num_receivers < 1:
-            raise ValueError(f"need at least one receiver, got {num_receivers}")
-        if self._channel is None or num_receivers != self._num_receivers:
-            self.release()
-            self._channel, self._address = Channel.serve(self.host, self.timeout_s)
-            self._num_receivers = num_receivers
-        self._update += 1
         self._base += self._sent
-        self._sent, self._acked, self._failed = 0, -1, False
-        self._watch = Watch([], self.timeout_s, self._channel, self._prefix)
+        self._start_update(num_receivers)
+        self._acked = -1
         return [SharedMemoryReceiver(self._address, rank, self._update) for rank in range(num_receivers)]
-
-    def open(self, engines: Sequence, version: int) -> None:
-        receivers = self.listen(len(engines))
-        self._watch.futures = [start_update(engine, receiver, version) for engine, receiver in zip(engines, receivers)]
 
     def send(self, bucket: NamedTensors) -> None:
         metas, nbytes = layout(bucket)
@@ -186,16 +163,6 @@ class SharedMemoryTransport:
         self._acked = self._sent - 1
         if self._region is not None:
             self._region.unlink()  # every receiver has mapped it
-
-    def abort(self, reason: str) -> None:
-        self._failed = True
-        abort_stream(self._channel, self._watch, self._sent, reason, self._prefix)
-
-    def close(self) -> None:
-        """End of an update: a failed one releases the store and the region (a receiver may still hold
-        them half-read); a complete one keeps them for the next."""
-        if self._failed:
-            self.release()
 
     def release(self) -> None:
         """Drop the region (its /dev/shm name, if still there) and the control store."""
