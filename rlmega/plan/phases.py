@@ -74,6 +74,12 @@ class Holdings:
 def phase_terms(held: Holdings) -> tuple[dict[str, list[Term]], list[Term]]:
     """({phase: GPU terms}, host terms) of one position (the trainer's phases: planner's docstring)."""
     trained = [t for name, memory in held.roles.items() if name != "ref" for t in _role_terms(name, memory)]
+    # Handing the GPU over, the trainer frees the gradients and moves the optimizer to host before the engines
+    # wake for a sync (MegatronWorker.release_training_state): the export reads the parameters alone. The host
+    # holds that state then, less than it holds while the engines generate (the "swapped" term).
+    hands_over = held.colocated and not held.resident
+    exported = [t for name, memory in held.roles.items() if name != "ref"
+                for t in _role_terms(name, memory, with_training_state=False)]
     ref = held.roles.get("ref")
     ref_gpu = _role_terms("ref", ref, with_training_state=False) if ref else []
     ref_rest = [] if held.ref_offloaded else ref_gpu
@@ -88,7 +94,7 @@ def phase_terms(held: Holdings) -> tuple[dict[str, list[Term]], list[Term]]:
         "logprobs": reserved + trained + ref_gpu + [Term("activations, forward only", held.forward, "forward")] + resident,
         "update": reserved + trained + ref_rest + [Term("activations, as configured", held.activations, "activations")]
                   + resident,
-        "sync": reserved + trained + ref_rest + [Term("sync buckets", held.bucket, "bucket")]
+        "sync": reserved + (exported if hands_over else trained) + ref_rest + [Term("sync buckets", held.bucket, "bucket")]
                 + (engine + [Term("engine receive slots", held.receive, "receive")] if engine else []),
     }
     host = [Term(f"{name} optimizer in host memory", memory.optimizer_host, "optimizer_host")

@@ -222,7 +222,8 @@ class Trainer:
         own record of the version they serve is then the one the run goes by (``Engines.version``)."""
         from rlmega.sync import StaleWeightsError
 
-        if self._hands_over_memory:
+        if self._hands_over_memory:  # only the parameters the export reads stay beside the woken engines
+            self.job.release_training_state()
             self.engines.wake()
         engines = self.engines.handles()
         if engines != self._synced_engines:  # the first sync, or engines restarted in place since the last

@@ -196,6 +196,11 @@ class RankProcess:
                 moved += worker.offload() if offloaded else worker.onload()
         return moved
 
+    def release_training_state(self) -> int:
+        """Before the engines wake for a weight sync: the trained roles' gradient buffers freed and optimizer state
+        in host memory (``MegatronWorker.release_training_state``); the device bytes freed on this rank."""
+        return sum(worker.release_training_state() for worker in self.workers.values())
+
     def save(self, root: str, extra: dict, keep: Optional[int] = None) -> Optional[dict]:
         """Each trained role under ``root/<role>``; the actor last, so its tracker names a step whose
         critic checkpoint is complete too. With ``keep``, then only the newest ``keep`` of each role stay."""
@@ -282,6 +287,9 @@ class RankCalls:
 
     def set_offloaded(self, offloaded: bool) -> None:
         self.each(RankProcess.set_offloaded, offloaded, what="offload" if offloaded else "onload")
+
+    def release_training_state(self) -> None:
+        self.each(RankProcess.release_training_state, what="releasing the training state")
 
     def save(self, root: str, extra: dict, keep: Optional[int] = None) -> dict:
         return self.first(RankProcess.save, root, extra, keep, what="save")

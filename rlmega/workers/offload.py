@@ -35,17 +35,33 @@ def _storages(tensors: Iterable[torch.Tensor]) -> Iterator[torch.UntypedStorage]
         yield storage
 
 
-def model_tensors(chunks: list) -> Iterator[torch.Tensor]:
-    """Parameters, buffers and DDP gradient buffers of the model chunks."""
+def parameter_tensors(chunks: list) -> Iterator[torch.Tensor]:
+    """Parameters, buffers and DDP parameter buffers of the model chunks."""
     for chunk in chunks:
         yield from torch.nn.Module.parameters(chunk)
         yield from torch.nn.Module.buffers(chunk)
-        # Megatron's DDP keeps its gradient buffers in a list attribute that shadows Module.buffers.
-        grad_buffers = chunk.buffers if isinstance(chunk.buffers, list) else []
-        for buffer in grad_buffers + list(getattr(chunk, "expert_parallel_buffers", [])):
-            yield buffer.grad_data
+        for buffer in _ddp_buffers(chunk):
             if buffer.param_data is not None:
                 yield buffer.param_data
+
+
+def model_tensors(chunks: list) -> Iterator[torch.Tensor]:
+    """Parameters, buffers and DDP parameter and gradient buffers of the model chunks."""
+    yield from parameter_tensors(chunks)
+    yield from gradient_tensors(chunks)
+
+
+def _ddp_buffers(chunk) -> list:
+    # Megatron's DDP keeps its gradient buffers in a list attribute that shadows Module.buffers.
+    grad_buffers = chunk.buffers if isinstance(chunk.buffers, list) else []
+    return grad_buffers + list(getattr(chunk, "expert_parallel_buffers", []))
+
+
+def gradient_tensors(chunks: list) -> Iterator[torch.Tensor]:
+    """The DDP gradient buffers of the model chunks (every ``param.main_grad`` views one)."""
+    for chunk in chunks:
+        for buffer in _ddp_buffers(chunk):
+            yield buffer.grad_data
 
 
 def optimizer_tensors(optimizer) -> Iterator[torch.Tensor]:
@@ -92,4 +108,44 @@ class HostOffload:
             saved.storage.copy_(saved.host.untyped_storage())
             moved += saved.host.numel()
         self._saved = []
+        return moved
+
+
+class TrainingState:
+    """What only an update needs, out of the device while the engines take a weight sync (colocated): the
+    gradient buffers are released without a copy (every update zeroes them before its first backward pass, so
+    nothing is lost) and the optimizer's state (fp32 master weights, Adam moments) goes to host memory. The
+    parameters, which the export reads, stay; so does any optimizer tensor that is a parameter's own storage
+    (an fp32 model's optimizer steps the parameters themselves)."""
+
+    def __init__(self):
+        self._optimizer = HostOffload()
+        self._gradients: list[tuple[torch.UntypedStorage, int]] = []
+
+    @property
+    def released(self) -> bool:
+        return self._optimizer.active or bool(self._gradients)
+
+    def release(self, chunks: list, optimizer) -> int:
+        """The device bytes freed."""
+        if self.released:
+            raise RuntimeError("training state already released; call restore first")
+        parameters = {storage.data_ptr() for storage in _storages(parameter_tensors(chunks))}
+        state = [t for t in optimizer_tensors(optimizer) if t.untyped_storage().data_ptr() not in parameters]
+        freed = self._optimizer.offload(state)
+        for storage in list(_storages(gradient_tensors(chunks))):
+            self._gradients.append((storage, storage.nbytes()))
+            freed += storage.nbytes()
+            storage.resize_(0)
+        return freed
+
+    def restore(self) -> int:
+        """The optimizer's state back from host memory, the gradient buffers re-allocated (zeroed); the bytes
+        moved or allocated."""
+        moved = self._optimizer.onload()
+        for storage, nbytes in self._gradients:
+            storage.resize_(nbytes)
+            storage.fill_(0)
+            moved += nbytes
+        self._gradients = []
         return moved

@@ -35,7 +35,7 @@ from rlmega.workers.batching import (
 from rlmega.workers.config import WorkerConfig
 from rlmega.workers.context_parallel import split_micro_batch
 from rlmega.workers.model import build_model, build_optimizer, resolve_dtype, use_fused_cpu_adam
-from rlmega.workers.offload import HostOffload, model_tensors, optimizer_tensors
+from rlmega.workers.offload import HostOffload, TrainingState, model_tensors, optimizer_tensors
 from rlmega.workers.passes import combine_metrics, run_schedule, scatter_outputs
 from rlmega.workers.perf import PerfCounter
 from rlmega.workers.roles import ROLES, Output
@@ -62,6 +62,7 @@ class MegatronWorker:
         self.skipped_steps = 0
         self._perf = PerfCounter(self.chunks, spec)
         self._host = HostOffload()
+        self._training_state = TrainingState()
         if config.offload:
             self.offload()
 
@@ -196,6 +197,7 @@ class MegatronWorker:
         the micro-batches they belong to)."""
         from megatron.core import parallel_state as ps
 
+        self.restore_training_state()
         started = time.perf_counter()
         micro_batches = self._micro_batches(batch)
         scale = float(len(micro_batches) * ps.get_data_parallel_world_size())
@@ -316,6 +318,19 @@ class MegatronWorker:
     def offloaded(self) -> bool:
         return self._host.active
 
+    def release_training_state(self) -> int:
+        """Before the engines wake for a weight sync (colocated): free the gradient buffers and move the optimizer's
+        state to host memory, leaving the parameters the export reads (``offload.TrainingState``). The next call
+        that trains or checkpoints brings them back. The device bytes freed (0 for a role that does not train)."""
+        if self.optimizer is None or self._training_state.released:
+            return 0
+        return self._training_state.release(self.chunks, self.optimizer)
+
+    def restore_training_state(self) -> None:
+        """Bring back what ``release_training_state`` moved (calls that train or checkpoint do it themselves)."""
+        if self._training_state.released:
+            self._training_state.restore()
+
     @contextlib.contextmanager
     def _on_device(self):
         """Onload for the call if offloaded, and offload again after (a reference's resting state)."""
@@ -334,6 +349,7 @@ class MegatronWorker:
         """Save model, optimizer, LR schedule, RNG and ``extra`` as ``root/iter_{step}`` (atomic);
         ``step`` defaults to this worker's optimizer steps (a reference, which never steps, needs it)."""
         with self._on_device():
+            self.restore_training_state()
             return checkpoint.save_checkpoint(
                 root, self.step if step is None else step, self.chunks, self.optimizer, self.scheduler,
                 layout_description=self.layout.describe(), extra={**(extra or {}), "skipped_steps": self.skipped_steps},
@@ -342,6 +358,7 @@ class MegatronWorker:
     def load_checkpoint(self, path: str | Path) -> dict:
         """Load a checkpoint saved in any layout; returns the ``extra`` it was saved with."""
         with self._on_device():
+            self.restore_training_state()
             self.step, extra = checkpoint.load_checkpoint(path, self.chunks, self.optimizer, self.scheduler)
         if self.optimizer is not None:
             use_fused_cpu_adam(self.optimizer)

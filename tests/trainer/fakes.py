@@ -73,6 +73,9 @@ class FakeJob:
     def set_offloaded(self, offloaded: bool) -> None:
         self.offloads.append(offloaded)
 
+    def release_training_state(self) -> None:
+        self.offloads.append("training state")
+
     def save(self, root: str, extra: dict, keep=None) -> dict:
         self.saved.append((root, extra, keep))
         return {}

@@ -48,7 +48,9 @@ def test_colocated_parts_take_turns_with_memory_only_where_that_frees_some(tmp_p
     trainer.config.cluster.gpus_per_rank = gpus  # as a GPU cluster's config says (this machine has no GPU)
     assert trainer.fit() == 0
     turns = STEPS  # one rollout per step (no validation here)
-    assert parts["job"].offloads == ([True, False] * turns if hands_over else [])
+    # Handing over: the training state leaves before each sync (the first included), everything while generating.
+    released = "training state"
+    assert parts["job"].offloads == ([released] + [True, False, released] * turns if hands_over else [])
     assert parts["engines"].sleeps == (turns if hands_over else 0)
 
 
@@ -72,7 +74,8 @@ def test_grpo_loop_calls_each_part_with_the_right_data(tmp_path, assets):
     assert reference.copied == 1  # the reference is the warm-started actor
     assert actor.pushed == actor.checked == [0, 1, 2, 3]
     assert actor.connected == [[engines]]  # the weight sync is set up once, into the run's engines
-    assert job.offloads == [True, False] * STEPS  # colocated: training offloaded while engines generate
+    # Colocated: training offloaded while engines generate, its training state before each sync.
+    assert job.offloads == ["training state"] + [True, False, "training state"] * STEPS
     assert [params.temperature for params in engines.calls] == [0.7] * STEPS
     assert len(actor.updates) == len(actor.logprob_batches) == STEPS and engines.shut_down and job.shut_down
     for scored, update in zip(actor.logprob_batches, actor.updates):
