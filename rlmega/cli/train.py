@@ -47,12 +47,7 @@ def run(args: argparse.Namespace) -> int:
 
     overrides = args.overrides
     if args.from_verl:
-        from rlmega.config.verl import translate_verl_config
-
-        try:
-            overrides = translate_verl_config(args.from_verl, overrides) + args.rlmega_overrides
-        except ValueError as error:  # a verl setting that cannot cross over, named on one line
-            raise ConfigError(str(error)) from error
+        overrides = _from_verl(args.from_verl, overrides) + args.rlmega_overrides
     elif args.rlmega_overrides:
         raise ConfigError("--set is for rlmega overrides next to --from-verl; without it, give them as arguments")
     if args.overwrite:
@@ -66,3 +61,29 @@ def run(args: argparse.Namespace) -> int:
 
     datasets = validate_with_assets(config)  # every check before anything is written into run_dir
     return run_training(config, datasets)
+
+
+def _from_verl(path: str, verl_overrides: list[str]) -> list[str]:
+    """The rlmega overrides of a verl config. The settings rlmega takes differently are shown as a table on stderr;
+    refused ones stop the command: one refusal on one line, several as a table and a line naming them."""
+    import sys
+
+    from rlmega.config import ConfigError
+    from rlmega.config.verl import translate_verl
+    from rlmega.config.verl_report import report_table
+
+    try:
+        translation = translate_verl(path, verl_overrides)
+    except ValueError as error:  # a verl config verl could not read either, named on one line
+        raise ConfigError(str(error)) from error
+    if translation.refused:
+        rows = translation.refused
+        if len(rows) == 1:
+            raise ConfigError(rows[0].line())
+        print(f"verl settings rlmega refuses ({len(rows)}):\n{report_table(rows)}", file=sys.stderr)
+        raise ConfigError(f"{len(rows)} verl settings cannot cross over (the table above says why): "
+                          f"{', '.join(row.key for row in rows)}; change or remove them and run again")
+    if translation.changed:
+        print(f"verl settings rlmega takes differently ({len(translation.changed)}):\n"
+              f"{report_table(translation.changed)}", file=sys.stderr)
+    return translation.overrides

@@ -145,6 +145,11 @@ def check_settings(config: RLConfig) -> None:
         _require(rollout.backend != "hf" or getattr(rollout, field) == 1, f"rollout.{field}",
                  "the hf engine runs on one device; engine parallelism needs rollout.backend=vllm or sglang")
     _require(0 < rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]")
+    _require(rollout.val_temperature >= 0, "rollout.val_temperature", "must be >= 0 (0: greedy)")
+    _require(rollout.val_top_p is None or 0 < rollout.val_top_p <= 1, "rollout.val_top_p",
+             "must be in (0, 1], or null for rollout.top_p")
+    _require(rollout.val_top_k is None or rollout.val_top_k >= 0, "rollout.val_top_k",
+             "must be >= 0 (0: no top-k), or null for rollout.top_k")
     engine_gpus = rollout.gpus_of_one_engine
     _require(rollout.backend == "hf" or rollout.gpus_per_engine in (0, engine_gpus), "rollout.gpus_per_engine",
              f"an engine with tensor_parallel_size x data_parallel_size = {engine_gpus} needs that many GPUs, "
@@ -174,6 +179,8 @@ def check_settings(config: RLConfig) -> None:
              "trainer.log_val_generations / trainer.critic_warmup", "must be >= 0")
     _require(not config.algorithm.dynamic_sampling or config.rollout.n > 1, "algorithm.dynamic_sampling",
              "needs rollout.n > 1 (a group of one always has equal scores)")
+    _require(bool(config.algorithm.dynamic_sampling_metric.strip()), "algorithm.dynamic_sampling_metric",
+             "must name a value: shaped_score, score, or a number the reward function returns (e.g. acc)")
     _require(config.algorithm.adv_estimator not in GROUP_ESTIMATORS or config.rollout.n > 1, "rollout.n",
              f"{config.algorithm.adv_estimator} compares responses within a group: needs n > 1")
     responses = config.trainer.prompts_per_step * config.rollout.n
@@ -248,7 +255,8 @@ def _check_router_replay(config: RLConfig, spec) -> None:
 COUNTS = {"rollout.n": 1, "rollout.max_new_tokens": 1, "trainer.total_steps": 1, "trainer.prompts_per_step": 1,
           "trainer.val_prompts": 1, "trainer.sft_steps": 0, "trainer.save_every": 0, "trainer.val_every": 0,
           "reward_model.max_tokens_per_microbatch": 1, "judge.response_length": 1, "judge.num_engines": 1,
-          "judge.tensor_parallel_size": 1, "rollout.restart_dead_engines": 0, "rollout.restart_window_steps": 1}
+          "judge.tensor_parallel_size": 1, "rollout.restart_dead_engines": 0, "rollout.restart_window_steps": 1,
+          "rollout.val_n": 1}
 
 
 def _reward_weights(config: RLConfig):

@@ -84,7 +84,14 @@ class RolloutConfig:
     top_k: Optional[int] = None
     max_new_tokens: int = 256
     val_temperature: float = 0.0
-    """0: greedy validation."""
+    """Validation's sampling temperature; 0: greedy validation (verl's ``val_kwargs.do_sample=false``)."""
+    val_top_p: Optional[float] = None
+    """Validation's top-p when it samples (``val_temperature`` > 0); None: ``top_p``, as training samples."""
+    val_top_k: Optional[int] = None
+    """Validation's top-k when it samples; None: ``top_k``, as training samples (set 0 or -1 for none at all)."""
+    val_n: int = 1
+    """Responses per validation prompt; the scores are averaged over all of them, and with more than one,
+    ``val/pass@{val_n}`` counts the prompts with at least one correct response (verl's ``val_kwargs.n``)."""
     mode: str = choice("sync", "one_step_off", "async")
     """sync: generate, train, sync the weights, in turn. one_step_off: the engines generate the next step's
     responses while the workers train this one, from the weights this step trains from (exactly one
@@ -256,7 +263,15 @@ class AlgorithmConfig:
     """Subtract ``coef * KL(actor || ref)`` (estimator ``actor.policy_loss.kl_estimator``) from the
     token rewards (needs the reference); outcome estimators then see each response's summed reward."""
     dynamic_sampling: bool = False
-    """DAPO: drop prompt groups whose scores are all equal and generate more until the batch is full."""
+    """DAPO: drop prompt groups whose ``dynamic_sampling_metric`` is equal over the group and generate more until
+    the batch is full."""
+    dynamic_sampling_metric: str = "shaped_score"
+    """The per-response value dynamic sampling compares within a group: ``shaped_score`` (the score after DAPO's
+    overlong shaping, what the advantages see; verl's ``seq_reward``), ``score`` (the reward before that shaping),
+    or the name of any number the reward function returns beside its score (``{"score": ..., "acc": ...}``: ``acc``,
+    as in verl's DAPO recipe). ``acc`` of a reward that gives no other number (a plain number, as rlmega's rule
+    scorers return) is its score, as verl's DAPO reward manager records it; another name that a response's
+    reward lacks stops the step, naming the keys it gave. A response whose scoring failed counts 0."""
     max_generation_rounds: int = 3
     """DAPO dynamic sampling: at most this many generation rounds per step."""
     overlong_buffer_length: int = 0

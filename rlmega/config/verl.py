@@ -11,8 +11,10 @@ additions) to the rlmega field it becomes, or says why rlmega has none. A key is
 - **refused**: it changes what is trained in a way rlmega cannot reproduce; a value other than verl's
   default (or null/empty) stops the translation with the reason.
 
-``translate_verl_config(path, overrides)`` reads a verl YAML and verl-style overrides and returns the
-equivalent rlmega overrides. ``VERL.md`` beside this file is the table as a document, with the rules.
+``translate_verl(path, overrides)`` reads a verl YAML and verl-style overrides and returns the equivalent
+rlmega overrides with a report of every setting rlmega refuses or takes differently (``verl_report``);
+``translate_verl_config`` returns the overrides, or raises naming every refused setting. ``VERL.md`` beside
+this file is the table as a document, with the rules.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from rlmega.config.verl_report import NOT_USED, REFUSED, ReportRow, VerlTranslation
 from rlmega.config.verl_table import (
     SECTIONS, SKIP, VERL_SETTINGS, Refused, Setting, VerlTranslationError, find_setting,
 )
@@ -212,63 +215,111 @@ def _drop_null_sections(node: Any, prefix: str, sections: set[str]) -> None:
 
 def translate_verl_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> list[str]:
     """The rlmega overrides (Hydra syntax) equivalent to the verl config at ``path`` with verl-style
-    ``overrides`` (``actor_rollout_ref.rollout.n=8``; ``+``/``++`` prefixes are accepted).
+    ``overrides`` (``actor_rollout_ref.rollout.n=8``; ``+``/``++`` prefixes are accepted); a
+    ``RefusedSettings`` error naming every setting that cannot cross over, when there is one
+    (``translate_verl`` says which, and which settings rlmega takes differently)."""
+    return translate_verl(path, overrides).check()
+
+
+def translate_verl(path: str | os.PathLike, overrides: Sequence[str] = ()) -> VerlTranslation:
+    """The verl config at ``path`` with verl-style ``overrides``, translated: the rlmega overrides, the
+    settings rlmega takes differently, and the ones it refuses, all of them at once.
 
     A mapped key is translated when the file or the overrides give it, and, for what is trained, from
-    verl's default too (``Setting.carry``). Raises VerlTranslationError (one line, naming the verl key)
-    for a key the table does not know (with the nearest known key), for a refused key set to a value
-    other than verl's default or null/empty, for verl values rlmega cannot take, for two verl keys that
-    give one rlmega field different values, and for a mapped field this rlmega's schema lacks when the
-    config gives that key a value other than verl's default.
+    verl's default too (``Setting.carry``). Refused: a key the table does not know (with the nearest known
+    key), a refused key set to a value other than verl's default or null/empty (and not one rlmega honours),
+    a verl value rlmega cannot take, two verl keys that give one rlmega field different values, and a
+    mapped field this rlmega's schema lacks when the config gives that key a value other than verl's
+    default. Taken differently (reported): a key the config sets whose rlmega value is not verl's value
+    as it is, or whose rlmega field works differently (``Setting.caveat``), and a key rlmega does not need
+    set to a value other than verl's default. A config verl itself could not read raises
+    VerlTranslationError at once.
     """
     verl = VerlConfig.from_file(path, overrides)
-    keys = verl.keys()
-    for key in keys:
-        if find_setting(key) is None:
-            raise VerlTranslationError(f"verl {key} is not a verl trainer setting rlmega knows; "
-                                       f"the nearest known key is {_nearest(key)}")
+    refused: list[ReportRow] = []
+    changed: list[ReportRow] = []
     found: dict[str, list[tuple[str, Any, bool]]] = {}
-    for key in keys:
-        for target, value, given in _contributions(key, find_setting(key), verl):
+    for key in verl.keys():
+        setting = find_setting(key)
+        if setting is None:
+            refused.append(_row(verl, key, REFUSED, f"not a verl trainer setting rlmega knows; the nearest known key "
+                                                    f"is {_nearest(key)}"))
+            continue
+        try:
+            contributions = _contributions(key, setting, verl)
+        except Refused as reason:
+            refused.append(_row(verl, key, REFUSED, str(reason)))
+            continue
+        for target, value, given in contributions:
             found.setdefault(target, []).append((key, value, given))
+        report = _report(key, setting, contributions, verl)
+        if report is not None:
+            changed.append(report)
     overrides_out = []
     for target, items in found.items():
         chosen = [item for item in items if item[2]] or items  # a value the config gives beats verl's default
         distinct = {hydra_value(value): (key, value) for key, value, _ in chosen}
         if len(distinct) > 1:
             (key1, value1), (key2, value2) = list(distinct.values())[:2]
-            raise VerlTranslationError(
-                f"verl {key1}={_shown(verl(key1))} and {key2}={_shown(verl(key2))} give rlmega's {target} "
-                f"different values ({hydra_value(value1)} and {hydra_value(value2)}); rlmega has one {target}")
+            refused.append(_row(verl, key2, REFUSED, f"{key1}={_shown(verl(key1))} gives rlmega's {target} "
+                                                     f"{hydra_value(value1)}, this gives {hydra_value(value2)}; "
+                                                     f"rlmega has one {target}"))
+            continue
         if not rlmega_field_exists(target):
-            changed = [key for key, _, _ in chosen if verl.is_set(key)]
-            if changed:
-                raise VerlTranslationError(f"verl {changed[0]}={_shown(verl(changed[0]))} maps to rlmega's "
-                                           f"{target}, which this rlmega's config schema does not have yet")
+            refused += [_row(verl, key, REFUSED, f"maps to rlmega's {target}, which this rlmega's config schema does "
+                                                 "not have yet") for key, _, _ in chosen if verl.is_set(key)]
             continue  # verl's default value for a field rlmega does not have yet
         overrides_out.append(f"{target}={hydra_value(chosen[0][1])}")
-    return overrides_out
+    return VerlTranslation(overrides_out, changed, refused)
+
+
+def _row(verl: VerlConfig, key: str, rlmega: str, why: str) -> ReportRow:
+    return ReportRow(key, _shown(verl(key)), rlmega, why)
 
 
 def _contributions(key: str, setting: Setting, verl: VerlConfig) -> list[tuple[str, Any, bool]]:
-    """``(rlmega field, value, whether the config gives the key)`` for each field ``key`` gives a value."""
+    """``(rlmega field, value, whether the config gives the key)`` for each field ``key`` gives a value;
+    Refused when the key's value cannot cross over."""
     value = verl(key)
     if not setting.targets:
         if setting.refused and not _unset(value) and verl.is_set(key) and not (
                 setting.accept and setting.accept(value, verl)):
-            raise VerlTranslationError(f"verl {key}={_shown(value)}: {setting.note}")
+            raise Refused(setting.note)
         return []
     given = verl.is_set(key) or verl.written(key)
     if not (given or setting.carry):
         return []
-    try:
-        out = setting.rule(value, verl) if setting.rule else value
-    except Refused as reason:
-        raise VerlTranslationError(f"verl {key}={_shown(value)}: {reason}") from None
+    out = setting.rule(value, verl) if setting.rule else value
     if out is SKIP:
         return []
     values = out if len(setting.targets) > 1 else (out,)
     return [(target, item, given) for target, item in zip(setting.targets, values) if item is not SKIP]
+
+
+def _report(key: str, setting: Setting, contributions: list[tuple[str, Any, bool]],
+            verl: VerlConfig) -> ReportRow | None:
+    """The row of a key the config sets that rlmega takes differently; None when it takes it as it is."""
+    value = verl(key)
+    if not setting.targets:  # a key rlmega does not need, set to a value other than verl's default
+        return _row(verl, key, NOT_USED, setting.note) if (
+            not setting.refused and verl.written(key) and verl.is_set(key)) else None
+    if not (verl.written(key) or verl.is_set(key)):
+        return None
+    if not contributions:
+        return _row(verl, key, NOT_USED, setting.note or "not read in this configuration")
+    if not setting.caveat and all(_same_value(out, value) for _, out, _ in contributions):
+        return None
+    becomes = ", ".join(f"{target}={hydra_value(out)}" for target, out, _ in contributions)
+    return _row(verl, key, becomes, setting.note or "the same setting under rlmega's name")
+
+
+def _same_value(rlmega: Any, verl: Any) -> bool:
+    """Whether rlmega's value is verl's as it is (a single file is a list of one in rlmega)."""
+    if isinstance(rlmega, list) and len(rlmega) == 1 and not isinstance(verl, list):
+        rlmega = rlmega[0]
+    if isinstance(rlmega, bool) or isinstance(verl, bool):
+        return rlmega is verl
+    return rlmega == verl
 
 
 def _shown(value: Any, limit: int = 80) -> str:

@@ -5,7 +5,8 @@ from rlmega.rewards.countdown import countdown_score
 from rlmega.rewards.exact import arithmetic_score, exact_match_score
 from rlmega.rewards.gsm8k import gsm8k_score
 from rlmega.rewards.judge import JudgeScorer, first_number
-from rlmega.rewards.manager import COMPONENTS, RewardManager, RewardWeights, ScoreTransform, enabled_components
+from rlmega.rewards.manager import (COMPONENTS, ItemScore, RewardManager, RewardWeights, ScoreTransform,
+                                    enabled_components)
 from rlmega.rewards.math import math_score
 from rlmega.rewards.pool import Outcome, ScoringPool
 from rlmega.rewards.registry import RULE_SCORERS, check_data_sources, get_rule_scorer
@@ -16,6 +17,7 @@ from rlmega.rewards.user_function import as_score, load_function
 __all__ = [
     "COMPONENTS",
     "RULE_SCORERS",
+    "ItemScore",
     "JudgeScorer",
     "Outcome",
     "RewardConfig",

@@ -4,6 +4,7 @@
                             {"rule": RewardScorer(), "reward_model": reward_model_scorer},
                             transforms={"reward_model": ScoreTransform("running", clip_range=(-3.0, 3.0))})
     scores, metrics = manager.score_batch(items)        # list[float]; reward/<name>/mean, .../errors, ...
+    scored, metrics = manager.score_each(items)         # ItemScore each: score, the scorers' other numbers, failed
 
 Components (``COMPONENTS``), each anything with ``score_items(items) -> list[Outcome]`` and ``close()``:
 ``rule`` (the rule scorer of each item's ``data_source``), ``user_function`` (``reward.user_function``),
@@ -18,6 +19,7 @@ producer may both score, and a reward model's ranks must see their collective ca
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -137,6 +139,17 @@ class ScoreTransform:
         return out
 
 
+@dataclasses.dataclass
+class ItemScore:
+    """One item's combined score, the other numbers its scorers gave beside their scores (``{"score": 1, "acc": 1}``
+    gives ``acc``; where two components give one name, the first of ``COMPONENTS`` wins), and whether a component
+    failed on it (its score counted 0)."""
+
+    score: float
+    extras: dict[str, float]
+    failed: bool
+
+
 class RewardManager:
     """Scores batches of items with every component they need and combines the scores by weight.
 
@@ -163,12 +176,20 @@ class RewardManager:
     def score_batch(self, items: Sequence[ScoreItem], *,
                     validation: bool = False) -> tuple[list[float], dict[str, float]]:
         """Combined scores in item order, and the metrics (see the class)."""
+        scored, metrics = self.score_each(items, validation=validation)
+        return [item.score for item in scored], metrics
+
+    def score_each(self, items: Sequence[ScoreItem], *,
+                   validation: bool = False) -> tuple[list[ItemScore], dict[str, float]]:
+        """Each item's ``ItemScore`` in item order, and the metrics (see the class)."""
         with self._lock:
             return self._score(items, validation)
 
-    def _score(self, items: Sequence[ScoreItem], validation: bool) -> tuple[list[float], dict[str, float]]:
+    def _score(self, items: Sequence[ScoreItem], validation: bool) -> tuple[list[ItemScore], dict[str, float]]:
         weights = [self.weights.of(item.data_source, validation=validation) for item in items]
         totals = [0.0] * len(items)
+        item_extras: list[dict[str, float]] = [{} for _ in items]
+        failed = [False] * len(items)
         metrics: dict[str, float] = {"reward/errors": 0.0, "reward/timeouts": 0.0}
         extras: dict[str, list[float]] = {}
         for name in COMPONENTS:
@@ -197,13 +218,15 @@ class RewardManager:
                 metrics[f"reward/{name}/timeouts"] = float(timeouts)
             metrics["reward/errors"] += errors
             metrics["reward/timeouts"] += timeouts
-            for outcome in outcomes:
+            for index, outcome in zip(chosen, outcomes):
+                failed[index] = failed[index] or outcome.status != "ok"
                 for key, value in outcome.extras.items():
                     extras.setdefault(key, []).append(value)
+                    item_extras[index].setdefault(key, value)
             _log_failures(name, [items[i] for i in chosen], outcomes)
         metrics["reward/mean"] = sum(totals) / len(totals) if totals else 0.0
         metrics.update({f"reward/extra/{key}": sum(values) / len(values) for key, values in extras.items()})
-        return totals, metrics
+        return [ItemScore(*scored) for scored in zip(totals, item_extras, failed)], metrics
 
     def close(self) -> None:
         """Close every component (its worker processes, model ranks or engines); idempotent."""

@@ -31,12 +31,13 @@ import torch
 from rlmega import algos
 from rlmega.agent.loop import AgentState
 from rlmega.data.schema import PromptRecord
+from rlmega.errors import UserError
 from rlmega.rollout.protocol import Generation, SamplingParams
 from rlmega.trainer.batch_assembly import BatchAssembler, Group, Rollouts
 from rlmega.trainer.generation import ResponseGenerator
 from rlmega.trainer.prompt_data import PromptData
 from rlmega.trainer.remote import WorkerFailure, failure_of
-from rlmega.trainer.scoring import Scorer, generation_metrics
+from rlmega.trainer.scoring import Scorer, dynamic_sampling_values, generation_metrics
 
 if TYPE_CHECKING:  # the schedules build this one: a type only, no import at run time
     from rlmega.trainer.schedules import ScheduleConfig
@@ -136,7 +137,8 @@ class AsyncRollouts:
                     continue
                 if self._equal_streak > self.config.max_generation_rounds * self.per_step:
                     raise RuntimeError(
-                        f"step {step}: {self._equal_streak} prompt groups in a row had equal scores, "
+                        f"step {step}: {self._equal_streak} prompt groups in a row had an equal "
+                        f"{self.config.dynamic_sampling_metric}, "
                         "nothing to train on; raise rollout.n or turn off algorithm.dynamic_sampling")
                 if time.perf_counter() - waited_since > self.timeout_s:
                     raise RuntimeError(f"step {step}: the engines produced {len(usable)} of {self.per_step} groups "
@@ -403,11 +405,14 @@ class AsyncRollouts:
     def _complete(self, group: _Group) -> None:
         """Score a whole group; keep it, or drop it when dynamic sampling finds its scores all equal."""
         generations = [self._generation(r) for r in group.responses]
-        raw, reward_metrics = self.scorer.score([group.record], generations)
+        scored = self.scorer.score_responses([group.record], generations)
+        raw, reward_metrics = scored.raw, scored.metrics
         scores = self.scorer.shape_scores(raw, generations)
         self._window.scored(raw, generations, reward_metrics)
         if self.config.dynamic_sampling:
-            kept = algos.dynamic_sampling_filter(torch.zeros(len(generations), dtype=torch.long), scores)
+            metric = dynamic_sampling_values(self.config.dynamic_sampling_metric, scored, scores, [group.record],
+                                             generations)
+            kept = algos.dynamic_sampling_filter(torch.zeros(len(generations), dtype=torch.long), metric)
             if kept.num_dropped_groups:
                 self._window.dropped_groups += 1
                 self._equal_streak += 1
@@ -467,6 +472,8 @@ class AsyncRollouts:
 
     def _raise_error(self) -> None:
         if self._error is not None:
+            if isinstance(self._error, UserError):  # bad input (a setting the rewards cannot serve): the user's to fix
+                raise UserError(str(self._error)) from self._error
             kind = WorkerFailure if isinstance(self._error, WorkerFailure) else RuntimeError
             raise kind(f"asynchronous rollout stopped: {self._error}") from self._error
 

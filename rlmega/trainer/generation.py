@@ -77,10 +77,17 @@ class ResponseGenerator:
         return engines.generate(prompts, params)
 
     def sampling_params(self, *, temperature: float, n: int, seed: Optional[int]) -> SamplingParams:
-        config = self.config
+        """``n`` responses per prompt at ``temperature``, with the training rollouts' top-p and top-k."""
+        return self.filtered_params(temperature=temperature, top_p=self.config.top_p, top_k=self.config.top_k, n=n,
+                                    seed=seed)
+
+    def filtered_params(self, *, temperature: float, top_p: float, top_k: Optional[int], n: int,
+                        seed: Optional[int]) -> SamplingParams:
+        """``n`` responses per prompt at ``temperature`` with this ``top_p`` and ``top_k`` (None: no top-k); a
+        greedy request (temperature 0) filters nothing."""
         sampled = temperature > 0
-        return SamplingParams(temperature=temperature, top_p=config.top_p if sampled else 1.0,
-                              top_k=config.top_k if sampled else None, max_new_tokens=config.max_new_tokens,
+        return SamplingParams(temperature=temperature, top_p=top_p if sampled else 1.0,
+                              top_k=top_k if sampled else None, max_new_tokens=self.config.max_new_tokens,
                               stop_token_ids=self.stop_token_ids, n=n, seed=seed)
 
     def step_params(self, step: int, round_index: int) -> SamplingParams:

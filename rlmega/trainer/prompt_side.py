@@ -88,11 +88,14 @@ def build_prompt_side(config: RLConfig, datasets: Optional[PromptDatasets] = Non
                                multi_turn=agent.enabled, greedy_baseline=remax).build()
     step_rollouts = StepRollouts(
         StepRolloutsConfig(prompts_per_step=trainer.prompts_per_step, dynamic_sampling=algorithm.dynamic_sampling,
+                           dynamic_sampling_metric=algorithm.dynamic_sampling_metric,
                            max_generation_rounds=algorithm.max_generation_rounds, greedy_baseline=remax),
         data, generator, scorer, assembler)
     validation = Validation(
-        ValidationConfig(num_prompts=trainer.val_prompts, temperature=rollout.val_temperature, seed=trainer.seed,
-                         num_samples_shown=trainer.log_val_generations),
+        ValidationConfig(num_prompts=trainer.val_prompts, temperature=rollout.val_temperature,
+                         top_p=rollout.top_p if rollout.val_top_p is None else rollout.val_top_p,
+                         top_k=rollout.top_k if rollout.val_top_k is None else (rollout.val_top_k or None),
+                         num_responses=rollout.val_n, seed=trainer.seed, num_samples_shown=trainer.log_val_generations),
         data, generator, scorer)
     warm_start = WarmStart(
         WarmStartConfig(num_steps=trainer.sft_steps, lr=trainer.sft_lr,
@@ -103,5 +106,6 @@ def build_prompt_side(config: RLConfig, datasets: Optional[PromptDatasets] = Non
         mode=rollout.mode, prompts_per_step=trainer.prompts_per_step, n=rollout.n,
         max_staleness=rollout.max_staleness, stale_groups=rollout.stale_groups,
         partial_rollout=rollout.partial_rollout, timeout_s=config.cluster.timeout_s,
-        dynamic_sampling=algorithm.dynamic_sampling, max_generation_rounds=algorithm.max_generation_rounds)
+        dynamic_sampling=algorithm.dynamic_sampling, dynamic_sampling_metric=algorithm.dynamic_sampling_metric,
+        max_generation_rounds=algorithm.max_generation_rounds)
     return PromptSide(data, generator, scorer, assembler, step_rollouts, validation, warm_start, schedule)

@@ -47,7 +47,9 @@ class ScheduleConfig:
     timeout_s: float
     """``cluster.timeout_s`` (async): the longest wait for a batch, or for interrupted requests."""
     dynamic_sampling: bool
-    """``algorithm.dynamic_sampling``: groups whose scores are all equal are dropped."""
+    """``algorithm.dynamic_sampling``: groups whose metric is equal over the group are dropped."""
+    dynamic_sampling_metric: str
+    """``algorithm.dynamic_sampling_metric``: what is compared (``scoring.dynamic_sampling_values``)."""
     max_generation_rounds: int
     """``algorithm.max_generation_rounds`` (async: this many steps' worth of equal groups in a row stop the run)."""
 

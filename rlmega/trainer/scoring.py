@@ -5,6 +5,8 @@ shaping; and the metrics of everything a step generated.
     scorer = ScorerConfig(...).build(tokenizer, data_sources=..., reward_model=reward_model, judge=judge)
     scores, reward_metrics = scorer.score(records, generations)
     shaped = scorer.shape_scores(scores, generations)
+    scored = scorer.score_responses(records, generations)      # with the other numbers each reward gave
+    metric = dynamic_sampling_values("acc", scored, shaped, records, generations)
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any, Collection, Optional, Sequence
 import torch
 
 from rlmega import algos
+from rlmega.errors import UserError
 from rlmega.rewards import RewardManager
 from rlmega.rewards.judge import JudgeEngines
 from rlmega.rewards.reward_model import SequenceScorer
@@ -48,6 +51,17 @@ class ScorerConfig:
         return Scorer(self, tokenizer, rewards)
 
 
+@dataclasses.dataclass
+class ScoredResponses:
+    """One call's scores: ``raw [N]`` (the reward manager's, before overlong shaping), the other numbers each
+    response's reward gave beside its score (``extras``), whether its scoring failed, and the manager's metrics."""
+
+    raw: torch.Tensor
+    extras: list[dict[str, float]]
+    failed: list[bool]
+    metrics: dict[str, float]
+
+
 class Scorer:
     """Scores responses to prompt records; thread-safe (the reward manager serialises calls)."""
 
@@ -62,6 +76,12 @@ class Scorer:
         """Scores ``[len(generations)]`` of responses to ``records[g.prompt_index]``, and the reward manager's
         metrics. ``validation``: responses to validation prompts, scored with the validation weights
         (``reward.val_weights``)."""
+        scored = self.score_responses(records, generations, validation=validation)
+        return scored.raw, scored.metrics
+
+    def score_responses(self, records: Sequence, generations: list[Generation], *,
+                        validation: bool = False) -> ScoredResponses:
+        """As ``score``, with each response's other reward numbers and whether its scoring failed."""
         from rlmega.rewards import ScoreItem
 
         texts = [self.tokenizer.decode(g.response_token_ids, skip_special_tokens=True) for g in generations]
@@ -76,10 +96,11 @@ class Scorer:
                 item.prompt_token_ids = generation.prompt_token_ids  # rendered with the tools
                 if self.config.agent_scored_text == "final_answer":
                     item.solution_str = episode["final_answer"]
-        scores, metrics = self.rewards.score_batch(items, validation=validation)
+        scored, metrics = self.rewards.score_each(items, validation=validation)
         # An agent's environment rewards its episode too (0 without one).
-        scores = [score + getattr(g, "env_reward", 0.0) for score, g in zip(scores, generations)]
-        return torch.tensor(scores, dtype=torch.float32), metrics
+        scores = [item.score + getattr(g, "env_reward", 0.0) for item, g in zip(scored, generations)]
+        return ScoredResponses(torch.tensor(scores, dtype=torch.float32), [item.extras for item in scored],
+                               [item.failed for item in scored], metrics)
 
     def shape_scores(self, scores: torch.Tensor, generations: list[Generation]) -> torch.Tensor:
         """Scores after DAPO's overlong shaping (when configured)."""
@@ -107,3 +128,33 @@ def generation_metrics(scores: torch.Tensor, generations: list[Generation],
 
         metrics.update(agent_metrics(generations))
     return metrics
+
+
+SHAPED_SCORE, SCORE, ACCURACY = "shaped_score", "score", "acc"
+
+
+def dynamic_sampling_values(metric: str, scored: ScoredResponses, shaped: torch.Tensor, records: Sequence,
+                            generations: list[Generation]) -> torch.Tensor:
+    """``[N]`` the values ``algorithm.dynamic_sampling_metric`` compares within each group: the shaped scores,
+    the raw ones, or a number each reward gave beside its score (``acc`` of a plain-number reward is that number,
+    as verl's DAPO reward manager records it; a response whose scoring failed counts 0). UserError when a
+    response's reward lacks the named number."""
+    if metric == SHAPED_SCORE:
+        return shaped
+    if metric == SCORE:
+        return scored.raw
+    values = []
+    for index, (extras, failed) in enumerate(zip(scored.extras, scored.failed)):
+        if metric in extras:
+            values.append(extras[metric])
+        elif metric == ACCURACY and not extras:
+            values.append(float(scored.raw[index]))
+        elif failed:
+            values.append(0.0)
+        else:
+            source = records[generations[index].prompt_index].data_source
+            given = ", ".join(sorted(extras)) or "only its score"
+            raise UserError(f"algorithm.dynamic_sampling_metric={metric}: the reward of a response to a "
+                            f"{source!r} prompt gave no {metric!r} (it gave {given}); name one of those, or "
+                            f"{SHAPED_SCORE} or {SCORE}")
+    return torch.tensor(values, dtype=torch.float32)

@@ -1,6 +1,6 @@
 """One step's scored trajectories from the prompt side's parts: n responses to each of the step's prompts,
 generated and scored in rounds until the step has ``prompts_per_step`` usable groups (DAPO's dynamic sampling
-drops groups whose scores are all equal and draws more prompts), with ReMax's greedy baseline beside them."""
+drops groups whose metric is equal over the group and draws more prompts), with ReMax's greedy baseline beside them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from rlmega import algos
 from rlmega.trainer.batch_assembly import BatchAssembler, Group, Rollouts
 from rlmega.trainer.generation import Generator, ResponseGenerator
 from rlmega.trainer.prompt_data import PromptData
-from rlmega.trainer.scoring import Scorer, generation_metrics
+from rlmega.trainer.scoring import Scorer, dynamic_sampling_values, generation_metrics
 
 
 @dataclasses.dataclass
@@ -20,7 +20,9 @@ class StepRolloutsConfig:
     prompts_per_step: int
     """``trainer.prompts_per_step``: the groups a step trains on."""
     dynamic_sampling: bool
-    """``algorithm.dynamic_sampling``: drop groups whose scores are all equal, generate more."""
+    """``algorithm.dynamic_sampling``: drop groups whose metric is equal over the group, generate more."""
+    dynamic_sampling_metric: str
+    """``algorithm.dynamic_sampling_metric``: what is compared (``scoring.dynamic_sampling_values``)."""
     max_generation_rounds: int
     """``algorithm.max_generation_rounds``: the most rounds of prompts a step draws with dynamic sampling."""
     greedy_baseline: bool
@@ -47,7 +49,8 @@ class StepRollouts:
         for round_index in range(rounds):
             records = self.data.next_records()
             generations = generator.generate(engines, records, generator.step_params(step, round_index))
-            raw_scores, reward_metrics = scorer.score(records, generations)
+            scored = scorer.score_responses(records, generations)
+            raw_scores, reward_metrics = scored.raw, scored.metrics
             all_scores.append(raw_scores)
             all_generations.extend(generations)
             scores = scorer.shape_scores(raw_scores, generations)
@@ -58,7 +61,8 @@ class StepRollouts:
             group_ids = [g.prompt_index for g in generations]
             keep = range(len(records))
             if config.dynamic_sampling:
-                result = algos.dynamic_sampling_filter(torch.tensor(group_ids), scores)
+                metric = dynamic_sampling_values(config.dynamic_sampling_metric, scored, scores, records, generations)
+                result = algos.dynamic_sampling_filter(torch.tensor(group_ids), metric)
                 keep = sorted({group_ids[i] for i in result.kept_indices.tolist()})
                 dropped += result.num_dropped_groups
             for prompt_index in keep:
@@ -70,7 +74,8 @@ class StepRollouts:
         kept = kept[:wanted]
         if not kept:
             raise RuntimeError(
-                f"step {step}: every prompt group had equal scores in {rounds} generation rounds, nothing to train on; "
+                f"step {step}: every prompt group had an equal {config.dynamic_sampling_metric} in {rounds} generation "
+                "rounds, nothing to train on; "
                 "raise algorithm.max_generation_rounds or rollout.n, or turn off algorithm.dynamic_sampling"
             )
         metrics = generation_metrics(torch.cat(all_scores), all_generations, reward_metrics)

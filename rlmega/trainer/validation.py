@@ -4,6 +4,9 @@ few of them (prompt, response, ground truth, score) to show."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
+
+import torch
 
 from rlmega.trainer.generation import Generator, ResponseGenerator
 from rlmega.trainer.prompt_data import PromptData
@@ -15,7 +18,13 @@ class ValidationConfig:
     num_prompts: int
     """``trainer.val_prompts``: the first this many validation prompts are answered."""
     temperature: float
-    """``rollout.val_temperature``."""
+    """``rollout.val_temperature`` (0: greedy)."""
+    top_p: float
+    """``rollout.val_top_p``, or ``rollout.top_p`` when that is None."""
+    top_k: Optional[int]
+    """``rollout.val_top_k`` (0: None, no top-k), or ``rollout.top_k`` when that is None."""
+    num_responses: int
+    """``rollout.val_n``: responses per prompt."""
     seed: int
     """``trainer.seed``: the same sampled answers at every validation of the same weights."""
     num_samples_shown: int
@@ -28,13 +37,14 @@ class Validation:
         self.data, self.generator, self.scorer = data, generator, scorer
 
     def run(self, engines: Generator) -> tuple[dict[str, float], list[dict]]:
-        """Answers to the first ``trainer.val_prompts`` validation prompts at ``rollout.val_temperature``,
-        scored: the metrics, and the first ``trainer.log_val_generations`` samples (prompt, response,
-        ground truth, score) to show."""
+        """``rollout.val_n`` answers to each of the first ``trainer.val_prompts`` validation prompts, sampled with
+        the validation's parameters, scored: the metrics, and the first ``trainer.log_val_generations`` samples
+        (prompt, response, ground truth, score) to show."""
         config, tokenizer, val_dataset = self.config, self.data.tokenizer, self.data.val_dataset
         count = min(config.num_prompts, len(val_dataset))
         records = val_dataset.batch(list(range(count)))
-        params = self.generator.sampling_params(temperature=config.temperature, n=1, seed=config.seed)
+        params = self.generator.filtered_params(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+                                                n=config.num_responses, seed=config.seed)
         generations = self.generator.generate(engines, records, params)
         scores, _ = self.scorer.score(records, generations, validation=True)
         samples = [
@@ -43,5 +53,10 @@ class Validation:
              "ground_truth": str(records[g.prompt_index].ground_truth), "score": float(score)}
             for g, score in list(zip(generations, scores))[:config.num_samples_shown]
         ]
-        metrics = {"val/score/mean": float(scores.mean()), "val/accuracy": float((scores >= 1.0).float().mean())}
+        correct = scores >= 1.0
+        metrics = {"val/score/mean": float(scores.mean()), "val/accuracy": float(correct.float().mean())}
+        if config.num_responses > 1:
+            prompt_indices = torch.tensor([g.prompt_index for g in generations])
+            solved = torch.zeros(count).scatter_reduce(0, prompt_indices, correct.float(), reduce="amax")
+            metrics[f"val/pass@{config.num_responses}"] = float(solved.mean())
         return metrics, samples

@@ -130,6 +130,12 @@ def test_a_yaml_outside_configs_picks_the_shipped_groups(tmp_path, run_dir):
     ("trainer.val_prompts=0", "trainer.val_prompts: must be an int >= 1, got 0"),
     ("trainer.sft_steps=-1", "trainer.sft_steps: must be an int >= 0, got -1"),
     ("trainer.val_every=-5", "trainer.val_every: must be an int >= 0, got -5"),
+    ("rollout.val_n=0", "rollout.val_n: must be an int >= 1, got 0"),
+    ("rollout.val_top_p=0", "rollout.val_top_p: must be in (0, 1], or null for rollout.top_p"),
+    ("rollout.val_top_k=-1", "rollout.val_top_k: must be >= 0 (0: no top-k), or null for rollout.top_k"),
+    ("rollout.val_temperature=-0.5", "rollout.val_temperature: must be >= 0 (0: greedy)"),
+    ("algorithm.dynamic_sampling_metric=' '", "algorithm.dynamic_sampling_metric: must name a value: shaped_score, "
+                                              "score, or a number the reward function returns (e.g. acc)"),
     ("trainer.prompts_per_step=100", "trainer.prompts_per_step: 100 prompts per step, but data.files hold 64; "
                                      "lower trainer.prompts_per_step or add prompts"),
 ])

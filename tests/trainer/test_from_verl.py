@@ -14,8 +14,10 @@ from rlmega.config.verl import (
     hydra_value,
     markdown_table,
     rlmega_field_exists,
+    translate_verl,
     translate_verl_config,
 )
+from rlmega.config.verl_report import report_table
 
 DOC = Path(__file__).resolve().parents[2] / "rlmega" / "config" / "VERL.md"
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -124,13 +126,23 @@ def test_a_refused_key_names_the_key_and_the_reason_on_one_line(tmp_path, overri
     assert message.startswith(f"verl {key}=") and reason in message and "\n" not in message
 
 
-def test_a_sampled_validation_must_sample_like_training(tmp_path):
+def test_validation_samples_with_its_own_parameters(tmp_path):
     path = write(tmp_path, GRPO_MEGATRON)
-    sampled = ["actor_rollout_ref.rollout.val_kwargs.do_sample=true", "actor_rollout_ref.rollout.val_kwargs.temperature=0.6"]
-    assert "rollout.val_temperature=0.6" in translate_verl_config(path, sampled)
-    with pytest.raises(VerlTranslationError, match="val_kwargs.top_p=1.0 but training with top_p=0.9"):
-        translate_verl_config(path, sampled + ["actor_rollout_ref.rollout.top_p=0.9"])
-    translate_verl_config(path, ["actor_rollout_ref.rollout.top_p=0.9"])  # greedy validation ignores top_p
+    sampled = ["actor_rollout_ref.rollout.val_kwargs.do_sample=true", "actor_rollout_ref.rollout.val_kwargs.temperature=0.6",
+               "actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.rollout.top_k=20"]
+    rollout = load(tmp_path, translate_verl_config(path, sampled + [
+        "actor_rollout_ref.rollout.val_kwargs.top_p=0.7", "actor_rollout_ref.rollout.val_kwargs.n=4"])).rollout
+    assert (rollout.val_temperature, rollout.val_top_p, rollout.val_top_k, rollout.val_n) == (0.6, 0.7, 0, 4)
+    assert (rollout.top_p, rollout.top_k) == (0.9, 20)  # verl's validation top_k -1 is none at all: rlmega's 0
+    rollout = load(tmp_path, translate_verl_config(path, sampled)).rollout
+    assert (rollout.val_top_p, rollout.val_top_k) == (1.0, 0)  # verl's defaults, not training's
+    same = ["actor_rollout_ref.rollout.val_kwargs.top_p=0.9", "actor_rollout_ref.rollout.val_kwargs.top_k=20"]
+    rollout = load(tmp_path, translate_verl_config(path, sampled + same)).rollout
+    assert (rollout.val_top_p, rollout.val_top_k) == (None, None)  # the training values
+    greedy = translate_verl(path, ["actor_rollout_ref.rollout.val_kwargs.top_p=0.7"])
+    assert "rollout.val_temperature=0.0" in greedy.overrides and not any("val_top_p" in o for o in greedy.overrides)
+    rows = {row.key: row for row in greedy.changed}
+    assert rows["actor_rollout_ref.rollout.val_kwargs.top_p"].rlmega == "not used"  # greedy validation filters nothing
 
 
 def test_a_refused_key_at_verl_default_or_null_is_accepted(tmp_path):
@@ -141,7 +153,7 @@ def test_a_refused_key_at_verl_default_or_null_is_accepted(tmp_path):
 
 
 def test_an_unknown_key_suggests_the_nearest_known_one(tmp_path):
-    with pytest.raises(VerlTranslationError, match=r"actor_rollout_ref\.rollout\.temprature .*nearest known key is "
+    with pytest.raises(VerlTranslationError, match=r"actor_rollout_ref\.rollout\.temprature=0\.7: .*nearest known key is "
                                                    r"actor_rollout_ref\.rollout\.temperature$"):
         translate_verl_config(write(tmp_path, GRPO_MEGATRON), ["+actor_rollout_ref.rollout.temprature=0.7"])
 
@@ -167,8 +179,9 @@ def test_the_two_kl_estimators_must_agree_when_both_kl_terms_are_on(tmp_path):
 
 
 def test_two_keys_that_give_one_field_different_values_are_refused(tmp_path):
-    with pytest.raises(VerlTranslationError, match=r"tensor_model_parallel_size=2 and .*ref\.megatron\."
-                                                   r"tensor_model_parallel_size=4 give rlmega's layout\.tp"):
+    with pytest.raises(VerlTranslationError, match=r"ref\.megatron\.tensor_model_parallel_size=4: .*actor\.megatron\."
+                                                   r"tensor_model_parallel_size=2 gives rlmega's layout\.tp 2, "
+                                                   r"this gives 4"):
         translate_verl_config(write(tmp_path, GRPO_MEGATRON), ["actor_rollout_ref.ref.megatron.tensor_model_parallel_size=4"])
 
 
@@ -186,11 +199,53 @@ def test_dapo_settings_cross_over(tmp_path):
     assert config.algorithm.dynamic_sampling and config.algorithm.max_generation_rounds == 15  # 10 * 1536 / 1024
 
 
-def test_dapo_filtering_on_accuracy_is_refused(tmp_path):
-    with pytest.raises(VerlTranslationError, match="filter_groups.metric=acc: rlmega drops groups"):
+@pytest.mark.parametrize("metric, rlmega", [("acc", "acc"), ("score", "score"), ("seq_reward", "shaped_score"),
+                                            ("seq_final_reward", "shaped_score"), ("pred_len", "pred_len")])
+def test_dapo_filters_on_the_metric_verl_names(tmp_path, metric, rlmega):
+    config = load(tmp_path, translate_verl_config(write(tmp_path, GRPO_MEGATRON), [
+        "+algorithm.filter_groups.enable=true", f"+algorithm.filter_groups.metric={metric}",
+        "+algorithm.filter_groups.max_num_gen_batches=10"]))
+    assert config.algorithm.dynamic_sampling and config.algorithm.dynamic_sampling_metric == rlmega
+
+
+def test_dapo_filtering_on_the_reward_after_kl_is_refused(tmp_path):
+    with pytest.raises(VerlTranslationError, match="filter_groups.metric=seq_final_reward: rlmega filters groups "
+                                                   "before the reference's KL is known"):
         translate_verl_config(write(tmp_path, GRPO_MEGATRON), [
-            "+algorithm.filter_groups.enable=true", "+algorithm.filter_groups.metric=acc",
-            "+algorithm.filter_groups.max_num_gen_batches=10"])
+            "+algorithm.filter_groups.enable=true", "+algorithm.filter_groups.metric=seq_final_reward",
+            "+algorithm.filter_groups.max_num_gen_batches=10", "algorithm.use_kl_in_reward=true",
+            "algorithm.kl_penalty=low_var_kl"])
+
+
+def test_dropout_zero_is_what_rlmega_does(tmp_path):
+    path = write(tmp_path, GRPO_MEGATRON)
+    zero = [f"+actor_rollout_ref.model.override_config.{name}=0." for name in ("attention_dropout", "embd_pdrop",
+                                                                                "resid_pdrop")]
+    translation = translate_verl(path, zero + [
+        "+actor_rollout_ref.actor.megatron.override_transformer_config.hidden_dropout=0"])
+    assert not translation.refused and not any("dropout" in row.key or "pdrop" in row.key for row in translation.changed)
+    with pytest.raises(VerlTranslationError, match=r"^verl actor_rollout_ref\.model\.override_config\.resid_pdrop=0\.1: "
+                                                   "rlmega trains without dropout"):
+        translate_verl_config(path, ["+actor_rollout_ref.model.override_config.resid_pdrop=0.1"])
+
+
+def test_every_refused_setting_is_reported_at_once(tmp_path):
+    overrides = ["+actor_rollout_ref.model.override_config.attention_dropout=0.1", "trainer.device=npu",
+                 "actor_rollout_ref.model.lora_rank=8", "+actor_rollout_ref.rollout.temprature=0.7",
+                 "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=4", "actor_rollout_ref.rollout.n=8"]
+    translation = translate_verl(write(tmp_path, GRPO_MEGATRON), overrides)
+    assert sorted(row.key for row in translation.refused) == sorted([
+        "actor_rollout_ref.model.override_config.attention_dropout", "trainer.device", "actor_rollout_ref.model.lora_rank",
+        "actor_rollout_ref.rollout.temprature", "actor_rollout_ref.ref.megatron.tensor_model_parallel_size"])
+    assert all(row.rlmega == "refused" and row.why for row in translation.refused)
+    with pytest.raises(VerlTranslationError) as error:
+        translation.check()
+    message = str(error.value)
+    assert message.startswith("5 verl settings cannot cross over to rlmega: ") and "\n" not in message
+    assert all(f"{row.key}={row.value} ({row.why})" in message for row in translation.refused)
+    table = report_table(translation.refused).splitlines()
+    assert table[0] == "| verl key | value | rlmega | why |" and len(table) == 2 + 5
+    assert "| `trainer.device` | `npu` | refused | rlmega trains on CUDA GPUs (or on CPU) |" in table
 
 
 def test_gspo_averages_per_sequence_and_takes_only_its_parameters(tmp_path):

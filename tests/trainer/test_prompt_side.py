@@ -82,3 +82,25 @@ def test_a_scorer_that_fails_to_build_closes_the_generator(tmp_path, assets, mon
     with pytest.raises(ValueError, match="my_task"):
         build_prompt_side(_config(tmp_path, assets, "tiny_cpu_tools"))
     assert len(closed) == 1 and closed[0].agent is not None  # the agent loop's tool workers ended
+
+
+@pytest.mark.parametrize("overrides, top_p, top_k, n", [
+    ((), 0.9, 7, 1),  # unset: validation samples as training does
+    (("rollout.val_top_p=0.5", "rollout.val_n=3"), 0.5, 7, 3),
+    (("rollout.val_top_k=0", "rollout.val_top_p=1.0"), 1.0, None, 1),  # 0: no top-k at all
+])
+def test_validation_samples_with_its_own_parameters(tmp_path, assets, overrides, top_p, top_k, n):
+    from .fakes import FakeEngines
+
+    config = _config(tmp_path, assets, "tiny_cpu", "trainer.val_every=1", "trainer.val_prompts=4",
+                     "rollout.val_temperature=0.8", "rollout.top_p=0.9", "rollout.top_k=7", *overrides)
+    prompts = build_prompt_side(config)
+    try:
+        engines = FakeEngines(prompts.data.tokenizer, prompts.generator.stop_token_ids[0])  # right, wrong, right...
+        metrics, _ = prompts.validation.run(engines)
+    finally:
+        prompts.close()
+    params = engines.calls[-1]
+    assert (params.temperature, params.top_p, params.top_k, params.n) == (0.8, top_p, top_k, n)
+    assert metrics["val/accuracy"] == pytest.approx((n + 1) // 2 / n)
+    assert ("val/pass@3" in metrics) == (n == 3) and metrics.get("val/pass@3", 1.0) == 1.0
