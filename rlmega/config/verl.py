@@ -19,6 +19,7 @@ this file is the table as a document, with the rules.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -35,9 +36,14 @@ from rlmega.config.verl_table import (
 
 # ---------------------------------------------------------------------------------------------- reading verl
 
-@functools.lru_cache(maxsize=1)
 def _defaults_tree() -> dict:
-    """verl's defaults of every (non-wildcard) key of the table, nested."""
+    """verl's defaults of every (non-wildcard) key of the table, nested: a copy of its own for each caller (one that
+    edits it, as a test of verl's defaults does, changes no later translation)."""
+    return copy.deepcopy(_built_defaults_tree())
+
+
+@functools.lru_cache(maxsize=1)
+def _built_defaults_tree() -> dict:
     tree: dict = {}
     for key, setting in VERL_SETTINGS.items():
         if key.endswith(".*"):
