@@ -34,6 +34,10 @@ class PlanConfig:
     ib_gb_per_s: float = 400.0
     """InfiniBand of one node, one direction (GB/s; 8 x 400 Gb/s NICs = 400); one GPU's traffic to another
     node gets this divided by ``gpus_per_node`` (one NIC per GPU)."""
+    message_latency_us: float = 20.0
+    """What one message of the sliced weight transfer costs beside its bytes (microseconds; an assumption: a
+    NCCL or RDMA send of a small block, its launch and completion), per GPU, for the more of its sent and received
+    messages."""
     object_store_gb_per_s: float = 5.0
     """Ray's object store between two nodes (GB/s), used by the object_store sync transport (an assumption:
     it goes through host memory and TCP)."""

@@ -58,12 +58,38 @@ def render_explain(plan: Plan) -> str:
         _row("KV cache per token (KiB)", [f"{engine.kv_bytes_per_token / 1024:.1f}"], footnote("kv_per_token")),
         _row("tokens a replica needs per step", [f"{engine.tokens_needed:,}"], footnote("tokens_needed")),
         "",
-        "sources:",
     ]
+    for sliced in (plan.refit.sliced, plan.refit.target):
+        if sliced is not None:
+            lines += _sliced(sliced) + [""]
+    lines += ["sources:"]
     lines += [f"  [{index}] {EXPLAIN_SOURCES.get(key) or SOURCES[key]}" for index, key in enumerate(keys, 1)]
     lines.append("  the weight sync's bytes are measured per rank (the bridge's own ownership, meta_build); its times "
                  "are those bytes over plan.nvlink_gb_per_s (or the GPU preset's) and plan.ib_gb_per_s, bandwidth only (refit.py)")
+    lines.append("  the sliced transfer plan: rlmega.sync.transfer_plan from the layout's pieces (rlmega.bridge.layout_pieces) "
+                 "and the engines' regions (engine_bytes.py); per GPU the slowest of its directions and links "
+                 "(plan.ib_gb_per_s / plan.gpus_per_node per NIC) plus messages x plan.message_latency_us (sliced_refit.py)")
     return "\n".join(lines)
+
+
+def _sliced(sliced) -> list[str]:
+    """The transfer plan's per-link table and its busiest GPUs (``rlmega.plan.sliced_refit``)."""
+    lines = [f"refit, the sliced transfer plan ({sliced.label}; {sliced.tensors:,} tensors"
+             + (f", {sliced.not_loaded} the engines do not load" if sliced.not_loaded else "")
+             + f"; planned in {sliced.plan_seconds:.1f} s):",
+             f"  {'link':<10}{'messages':>14}{'GB':>12}{'GB/s per GPU':>14}{'busiest GPU (s)':>17}"]
+    for link, name in (("self", "on GPU"), ("nvlink", "NVLink"), ("network", "network")):
+        speed = f"{sliced.gb_per_s[link]:g}" if sliced.gb_per_s[link] else "copy"
+        lines.append(f"  {name:<10}{sliced.link_messages[link]:>14,}{sliced.link_bytes[link] / 1e9:>12.1f}"
+                     f"{speed:>14}{sliced.link_seconds[link]:>17.2f}")
+    lines.append(f"  busiest GPUs (time = slowest of out/in x NVLink/network + messages x "
+                 f"{sliced.message_latency_s * 1e6:g} us; GB out / in):")
+    for gpu in sliced.busiest:
+        lines.append(f"  GPU {gpu.gpu:<6} {gpu.seconds:6.2f} s  bound by {gpu.bound:<12} network "
+                     f"{gpu.sent['network'] / 1e9:.1f} / {gpu.received['network'] / 1e9:.1f}, NVLink "
+                     f"{gpu.sent['nvlink'] / 1e9:.1f} / {gpu.received['nvlink'] / 1e9:.1f}, on GPU "
+                     f"{gpu.received['self'] / 1e9:.1f}, {gpu.messages:,} messages")
+    return lines
 
 
 EXPLAIN_SOURCES = {

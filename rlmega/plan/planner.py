@@ -145,6 +145,9 @@ class Plan:
         for leg, raw in zip(self.refit.legs, data["refit"]["legs"]):
             raw["seconds"] = leg.seconds
         data["refit"].update(seconds_overlapped=self.refit.seconds_overlapped, seconds_serial=self.refit.seconds_serial)
+        for name in ("sliced", "target"):
+            if getattr(self.refit, name) is not None:
+                data["refit"][name]["seconds"] = getattr(self.refit, name).seconds
         data["fits"] = not self.shortfalls
         data["bubble"] = self.bubble
         data["units"] = "bytes, seconds, GB/s (1e9 bytes)"
@@ -306,7 +309,7 @@ def make_plan(config, config_name: str = "") -> Plan:
     measured = measure_in_subprocess(BuildRequest(spec, layout, roles))["positions"]
     shape = formulas.Shape.of(spec)
     tokens, microbatches = _tokens(config, layout)
-    refit = plan_refit(config, layout, measured, preset)
+    refit = plan_refit(config, layout, measured, preset, spec, _hf_config(config.model.path))
     engine = _engine(config, shape, preset)
     run = _Run(config=config, roles=roles, layout=layout, shape=shape, tokens=tokens, microbatches=microbatches,
                engine=engine, padded_vocab=padded_vocab_size(spec.vocab_size, layout.tp),

@@ -10,13 +10,20 @@ measured ones (``meta_build``: the bridge's own names and ownership, bf16, vocab
 
 Times are bandwidth-only lower bounds: a leg takes its bytes over its slowest link; the export double-
 buffers, so the legs overlap (the total is the slowest leg) and cannot take longer than their sum.
+
+``sync.transport=sharded_rdt`` (vLLM's sliced transfer, each engine rank pulling its blocks from the owners) has no
+such legs: its time is the transfer plan's (``sliced_refit``), with data-parallel replica 0 sending. Every plan also
+carries the target, the same plan with every replica sending.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
+from rlmega.errors import UserError
 from rlmega.plan.meta_build import StageCoordinates
+from rlmega.plan.sliced_refit import SlicedRefit, predict_sliced
 
 GB = 1e9
 
@@ -45,14 +52,24 @@ class Refit:
     """Per trainer rank class: {"ranks", "count", "bytes", "link"} (the link to rank 0)."""
     engine_gpu_receives: float
     legs: list[Leg]
+    sliced: Optional[SlicedRefit] = None
+    """``sharded_rdt``'s own transfer plan and time (None for the other transports)."""
+    target: Optional[SlicedRefit] = None
+    """The sliced transfer with every replica sending (None where the engines or the model have no plan)."""
+    no_target: str = ""
+    """Why there is no target, where there is none though there are engines."""
 
     @property
     def seconds_overlapped(self) -> float:
+        if self.sliced is not None:
+            return self.sliced.seconds
         inbound = sum(leg.seconds for leg in self.legs if leg.name.startswith("owners"))  # one receiver: in turn
         return max([inbound] + [leg.seconds for leg in self.legs if not leg.name.startswith("owners")])
 
     @property
     def seconds_serial(self) -> float:
+        if self.sliced is not None:
+            return self.sliced.seconds
         return sum(leg.seconds for leg in self.legs)
 
 
@@ -107,7 +124,26 @@ def _engine_gpus(config, layout) -> list[list[int]]:
     return [list(range(start + e * size, start + (e + 1) * size)) for e in range(rollout.num_engines)]
 
 
-def plan_refit(config, layout, positions: list[dict], preset) -> Refit:
+def plan_refit(config, layout, positions: list[dict], preset, spec, hf_config: dict) -> Refit:
+    """The refit of ``config``'s transport, and the sliced target (``spec``, ``hf_config``: the model's)."""
+    refit = _funnel(config, layout, positions, preset)
+    if not config.rollout.num_engines:
+        return refit
+    try:
+        if refit.transport == "sharded_rdt":
+            refit.sliced = predict_sliced(config, spec, layout, hf_config, preset.nvlink_gb_per_s, replicas=False,
+                                          label="sharded_rdt: data-parallel replica 0 sends")
+        refit.target = predict_sliced(config, spec, layout, hf_config, preset.nvlink_gb_per_s, replicas=True,
+                                      label="every replica sends")
+    except ValueError as error:  # a model with no analytic layout (vision-language, reward model): no sliced plan
+        if refit.transport == "sharded_rdt":
+            raise UserError(f"sync.transport=sharded_rdt: {error}") from None
+        refit.no_target = str(error)
+    return refit
+
+
+def _funnel(config, layout, positions: list[dict], preset) -> Refit:
+    """Through trainer rank 0: the owners' bytes to it, and from it to every engine."""
     totals = _totals(layout, positions)
     gpn, nvlink = config.plan.gpus_per_node, preset.nvlink_gb_per_s
     ib_per_gpu = config.plan.ib_gb_per_s / gpn
@@ -127,7 +163,9 @@ def plan_refit(config, layout, positions: list[dict], preset) -> Refit:
     legs = [Leg("TP shards -> their owner (the fullest)", gather, "NVLink", nvlink),
             Leg("owners -> rank 0 (same node)", inbound["nvlink"], "NVLink", nvlink),
             Leg("owners -> rank 0 (other nodes)", inbound["ib"], "InfiniBand, rank 0's NIC", ib_per_gpu)]
-    if transport == "broadcast":
+    if transport == "sharded_rdt":  # no funnel through rank 0: the transfer plan's time (sliced_refit)
+        legs = []
+    elif transport == "broadcast":
         far = any(g // gpn != 0 for gpus in engines for g in gpus)
         legs.append(Leg("rank 0 -> every engine GPU (one NCCL broadcast)", streamed,
                         "InfiniBand" if far else "NVLink", ib_per_gpu if far else nvlink))

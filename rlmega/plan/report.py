@@ -20,6 +20,20 @@ def stages_label(stages: list[int]) -> str:
         if stages == list(range(stages[0], stages[-1] + 1)) else f"{len(stages)} stages"
 
 
+def _sliced(sliced) -> list[str]:
+    """A sliced transfer's bytes per link and its slowest GPU (``rlmega.plan.sliced_refit``)."""
+    links = ", ".join(f"{name} {sliced.link_bytes[link] / 1e9:.1f} GB" for link, name in
+                      (("network", "network"), ("nvlink", "NVLink"), ("self", "on the GPU")))
+    slowest = sliced.slowest
+    if slowest is None:
+        return [f"  {sliced.label}: nothing to send"]
+    return [f"  {sliced.label}: {links}; {sum(sliced.link_messages.values()):,} messages",
+            f"  predicted {sliced.seconds:.2f} s: GPU {slowest.gpu}, bound by {slowest.bound}, "
+            f"{max(slowest.sent['network'], slowest.received['network']) / 1e9:.1f} GB over its NIC, "
+            f"{max(slowest.sent['nvlink'], slowest.received['nvlink']) / 1e9:.1f} GB over NVLink, "
+            f"{slowest.messages:,} messages x {sliced.message_latency_s * 1e6:g} us"]
+
+
 def render(plan: Plan) -> str:
     positions = plan.positions
     lines = [
@@ -78,8 +92,12 @@ def render(plan: Plan) -> str:
     ]
     refit = plan.refit
     chosen = refit.transport + (" (auto)" if refit.requested == "auto" else "")
-    lines += ["", f"refit      {refit.bytes_per_sync / 1e9:.1f} GB per sync to every engine GPU, transport {chosen}"]
-    for row in refit.senders:
+    if refit.sliced is not None:
+        lines += ["", f"refit      transport {chosen}: each engine GPU pulls only the blocks it holds from the owners"]
+        lines += _sliced(refit.sliced)
+    else:
+        lines += ["", f"refit      {refit.bytes_per_sync / 1e9:.1f} GB per sync to every engine GPU, transport {chosen}"]
+    for row in refit.senders if refit.sliced is None else ():
         if row["bytes_each"]:
             link = {"nvlink": "NVLink", "ib": "InfiniBand"}.get(row["link"])
             where = "hold it (rank 0)" if row["link"] == "self" else f"send it over {link} to rank 0"
@@ -87,8 +105,12 @@ def render(plan: Plan) -> str:
                          f"each ({row['kind']}) and {where}")
     for leg in refit.legs:
         lines.append(f"  {leg.name}: {leg.bytes / 1e9:.1f} GB over {leg.link} at {leg.gb_per_s:g} GB/s = {leg.seconds:.1f} s")
-    lines.append(f"  predicted {refit.seconds_overlapped:.1f} s (legs overlapped) to {refit.seconds_serial:.1f} s (in turn), "
-                 "bandwidth only")
+    if refit.sliced is None:
+        lines.append(f"  predicted {refit.seconds_overlapped:.1f} s (legs overlapped) to {refit.seconds_serial:.1f} s (in turn), "
+                     "bandwidth only")
+    if refit.target is not None:
+        lines.append("target     the sliced transfer plan, every replica sending (no transport runs it yet):")
+        lines += _sliced(refit.target)
     lines.append("")
     if plan.shortfalls:
         lines += [f"DOES NOT FIT: {line}" for line in plan.shortfalls]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterator
+from typing import Iterator, Optional
 
 from rlmega.rollout.engine_common import moe_layer_indices
 
@@ -110,6 +110,47 @@ def held_numel(tensor: HFTensor, layout: EngineLayout, rank: int) -> int:
     if tensor.split == EXPERT_COLUMN:
         return _even_part(rows, etp, rank % etp) * columns
     return rows * _even_part(columns, etp, rank % etp)
+
+
+Box = tuple[tuple[int, int], ...]
+"""Per dimension, ``[start, stop)``: a block of a tensor."""
+
+
+def _part(length: int, parts: int, index: int) -> tuple[int, int]:
+    """``[start, stop)`` of part ``index`` of ``length`` split as ``_even_part`` counts it."""
+    size = -(-length // parts)
+    return min(length, index * size), min(length, (index + 1) * size)
+
+
+def held_region(tensor: HFTensor, layout: EngineLayout, rank: int) -> Optional[Box]:
+    """The block of ``tensor`` engine rank ``rank`` holds (the whole box when it holds it whole), or None when it
+    holds none of it (also past the last of a short split's parts); ``held_numel`` elements, the same split."""
+    region = _region(tensor, layout, rank)
+    return None if region is None or any(start == stop for start, stop in region) else region
+
+
+def _region(tensor: HFTensor, layout: EngineLayout, rank: int) -> Optional[Box]:
+    whole = tuple((0, size) for size in tensor.shape)
+    tp = layout.tensor_parallel_size
+    tp_rank = rank % tp
+    if tensor.split == REPLICATED:
+        return whole
+    if tensor.split in (COLUMN, VOCAB):
+        return (_part(tensor.shape[0], tp, tp_rank), *whole[1:])
+    if tensor.split == ROW:
+        return (whole[0], _part(tensor.shape[1], tp, tp_rank), *whole[2:])
+    if tensor.split == KV_COLUMN:  # vLLM's QKVParallelLinear: a rank's own heads, or one head shared by tp / heads
+        heads, head_rows = tensor.num_kv_heads, tensor.shape[0] // tensor.num_kv_heads
+        per_rank = max(1, heads // tp)
+        first = tp_rank * per_rank if heads >= tp else tp_rank // (tp // heads)
+        return ((first * head_rows, (first + per_rank) * head_rows), *whole[1:])
+    etp = layout.expert_tensor_parallel_size
+    experts_per_group = tensor.num_experts // layout.expert_parallel_size
+    if tensor.expert // experts_per_group != rank // etp:
+        return None
+    if tensor.split == EXPERT_COLUMN:
+        return (_part(tensor.shape[0], etp, rank % etp), *whole[1:])
+    return (whole[0], _part(tensor.shape[1], etp, rank % etp), *whole[2:])
 
 
 def _attention(config: dict, layer: str) -> Iterator[HFTensor]:

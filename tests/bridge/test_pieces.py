@@ -4,7 +4,8 @@ are the checkpoint bit for bit, in dense and MoE layouts with tensor, pipeline a
 Every rank sends its pieces, the layout and its full tensors to the last rank, which reassembles each tensor
 from its owners' chunks (``torch.cat`` along the split dimension, owner order) and compares it with the saved
 safetensors file. The layout must be the same on every rank, each rank must hand over exactly the names it
-owns, and the bytes the layout counts per rank must be the bytes that rank handed over.
+owns, and the bytes the layout counts per rank must be the bytes that rank handed over. The layout worked out from
+the config alone (``rlmega.bridge.layout_pieces``, no model built) must be the built model's, list for list.
 """
 
 from pathlib import Path
@@ -17,6 +18,7 @@ from safetensors.torch import load_file
 from deepseek_mtp_models import save_tiny_deepseek_mtp
 from hf_models import save_tiny_model
 from rlmega.bridge import load_hf_weights
+from rlmega.bridge.layout_pieces import layout_pieces
 from rlmega.bridge.pieces import Piece, bytes_held, full_tensors, local_pieces, piece_layout
 from rollout.fakes.fake_vllm_weight_transfer import layerwise_groups  # the wheel's rule
 from rlmega.models import build_chunks, model_spec_from_hf
@@ -46,6 +48,10 @@ CASES = {
     "qwen2-tied-tp2": ("qwen2-tied", dict(tp=2, world_size=2)),
     "qwen3-moe-tp2-ep2-etp2": ("qwen3-moe", dict(tp=2, ep=2, etp=2, world_size=4)),
     "mixtral-pp2-ep2": ("mixtral", dict(pp=2, ep=2, world_size=4)),
+    # Expert-data-parallel replicas (etp 1 under ep 2 with tp 2), interleaved and uneven pipeline stages.
+    "qwen3-moe-tp2-ep2-etp1": ("qwen3-moe", dict(tp=2, ep=2, world_size=4)),
+    "mixtral-pp2-vpp2": ("mixtral", dict(pp=2, vpp=2, world_size=2)),
+    "llama-pp2-uneven": ("llama", dict(pp=2, first_stage_layers=1, world_size=2)),
     # MLA, dense first layers, shared experts, the router's score bias, and the MTP layer's copies of the
     # embedding and LM head.
     "deepseek-v3-mtp-tp2-pp2": ("deepseek-v3-mtp", dict(tp=2, pp=2, world_size=4)),
@@ -62,6 +68,7 @@ def test_pieces_reassemble_to_the_checkpoint(case, tmp_path):
 
     assert all(result["same_everywhere"] for result in results)
     pieces = results[0]["layout"]
+    assert layout_pieces(model_spec_from_hf(str(tmp_path)), layout, dtype=torch.float32) == pieces
     assert sorted(piece.name for piece in pieces) == sorted(saved)
     split = [piece.name for piece in pieces if piece.split_dim is not None]
     assert bool(split) == (layout.tp > 1 or layout.expert_tp > 1), split

@@ -1,13 +1,15 @@
 """Per-engine-rank bytes of a weight update (rlmega.rollout.engine_bytes): hand-counted on tiny configs,
-the tensor list against real HF checkpoints, and the numbers printed in rlmega/sync/README.md."""
+the tensor list against real HF checkpoints, the numbers printed in rlmega/sync/README.md, and the region each
+rank holds against its count."""
 
 import json
+import math
 
 import pytest
 from safetensors import safe_open
 
 from rlmega.rollout.engine_bytes import (EXPERT_COLUMN, EXPERT_ROW, KV_COLUMN, REPLICATED, EngineLayout,
-                                      engine_rank_bytes, hf_tensors)
+                                      engine_rank_bytes, held_numel, held_region, hf_tensors)
 
 # One MoE layer of a tiny Qwen3-MoE: 1 KV head (replicated over TP=2), 4 experts.
 TINY_MOE = dict(model_type="qwen3_moe", hidden_size=4, num_hidden_layers=2, num_attention_heads=2,
@@ -125,3 +127,35 @@ def test_tensors_are_those_of_a_real_checkpoint(config, tmp_path):
             on_disk |= {name: tuple(reader.get_slice(name).get_shape()) for name in reader.keys()}
     listed = {t.name: t.shape for t in hf_tensors(json.loads((tmp_path / "config.json").read_text()))}
     assert listed == on_disk
+
+
+# A DeepSeek-V3 cut down to a few layers and experts: MLA, a dense first layer, shared experts, the score bias.
+SMALL_DEEPSEEK = dict(DEEPSEEK_V3, num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=16)
+REGION_CASES = [(TINY_MOE, 2, 2, 1), (TINY_MOE, 1, 2, 2), (TINY_MOE, 4, 1, 1), (TINY_MOE, 2, 4, 2),
+                (QWEN3_30B_A3B, 4, 1, 1), (QWEN3_30B_A3B, 8, 8, 2), (SMALL_DEEPSEEK, 8, 1, 1), (SMALL_DEEPSEEK, 4, 8, 2)]
+
+
+def _numel(box):
+    return math.prod(stop - start for start, stop in box)
+
+
+def _overlap(a, b):
+    return all(max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(a, b))
+
+
+@pytest.mark.parametrize("config, tp, ep, dp", REGION_CASES, ids=lambda v: str(v) if isinstance(v, int) else "")
+def test_each_rank_holds_a_region_of_held_numel_and_the_ranks_tile_each_tensor(config, tp, ep, dp):
+    """The region a rank holds has held_numel elements; the distinct regions of one data-parallel replica's
+    ranks (experts: of every rank, as vLLM's expert parallelism spans TP x DP) tile the tensor: no overlap, no gap."""
+    layout = EngineLayout(tp, ep, dp)
+    for tensor in hf_tensors(config):
+        regions = [held_region(tensor, layout, rank) for rank in range(layout.world_size)]
+        for rank, region in enumerate(regions):
+            assert (0 if region is None else _numel(region)) == held_numel(tensor, layout, rank), (tensor.name, rank)
+            assert region is None or all(0 <= start < stop <= size for (start, stop), size in zip(region, tensor.shape))
+        expert = tensor.split in (EXPERT_COLUMN, EXPERT_ROW)
+        for replica in range(1 if expert else dp):
+            ranks = range(layout.world_size) if expert else range(replica * tp, (replica + 1) * tp)
+            distinct = list(dict.fromkeys(regions[rank] for rank in ranks if regions[rank] is not None))
+            assert sum(_numel(box) for box in distinct) == tensor.numel, tensor.name
+            assert not any(_overlap(a, b) for i, a in enumerate(distinct) for b in distinct[i + 1:]), tensor.name
