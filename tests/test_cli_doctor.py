@@ -101,7 +101,7 @@ RULE_CASES = [
      "pip install 'transformer-engine[pytorch]>=2.9,<2.12'"),
     ("vllm_without_cuda", _set_version("vllm", "0.11.0"), "pip uninstall vllm"),
     ("sglang_without_cuda", _set_version("sglang", "0.5.3"), "pip uninstall sglang"),
-    ("vllm_unsupported", _set_version("vllm", "0.11.0"), "pip install 'vllm>=0.33,<0.34'"),
+    ("vllm_unsupported", _set_version("vllm", "0.11.0"), "pip install 'vllm>=0.33,<0.35'"),
     ("sglang_unsupported", _set_version("sglang", "0.5.3"), "pip install 'sglang>=0.5.23,<0.5.24'"),
     ("unrelated_apex", _unrelated_apex, "pip uninstall apex, then build NVIDIA apex from source"),
 ]

@@ -259,9 +259,9 @@ RULES = (
     ),
     Rule(
         "vllm_unsupported",
-        lambda r: _outside(_version(r, "vllm"), (0, 33), (0, 34)),
-        "vllm {vllm} is installed, but rlmega's vLLM adapter supports vllm>=0.33,<0.34 (VLLMEngine refuses "
-        "to start); fix: pip install 'vllm>=0.33,<0.34'",
+        lambda r: _outside(_version(r, "vllm"), (0, 33), (0, 35)),
+        "vllm {vllm} is installed, but rlmega's vLLM adapter supports vllm>=0.33,<0.35 (VLLMEngine refuses "
+        "to start); fix: pip install 'vllm>=0.33,<0.35'",
     ),
     Rule(
         "sglang_unsupported",

@@ -26,9 +26,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Sequence
 
+from rlmega.config.engine_sampling import sampling_problems, sampling_warnings
 from rlmega.config.explain import explain, extra_keys, no_such_field
 from rlmega.config.schema import RLConfig
 from rlmega.errors import UserError
@@ -150,6 +152,10 @@ def check_settings(config: RLConfig) -> None:
              "must be in (0, 1], or null for rollout.top_p")
     _require(rollout.val_top_k is None or rollout.val_top_k >= 0, "rollout.val_top_k",
              "must be >= 0 (0: no top-k), or null for rollout.top_k")
+    for field, problem in sampling_problems(config):
+        raise ConfigError(f"{field}: {problem}")
+    for note in sampling_warnings(config):
+        warnings.warn(note, stacklevel=2)
     engine_gpus = rollout.gpus_of_one_engine
     _require(rollout.backend == "hf" or rollout.gpus_per_engine in (0, engine_gpus), "rollout.gpus_per_engine",
              f"an engine with tensor_parallel_size x data_parallel_size = {engine_gpus} needs that many GPUs, "

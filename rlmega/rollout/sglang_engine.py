@@ -26,6 +26,7 @@ import base64
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -163,11 +164,28 @@ def _image_data(images: list[ImageInputs | None] | None) -> dict:
                                                       "image_grid_thw": item.grid_thw}] for item in images]}
 
 
+def _abort_failure(meta: dict, paused: bool) -> str | None:
+    """Why an "abort" is a failure of the request, not the pause's doing (None: the pause's). The pause's abort
+    (``abort_request(abort_all=True)``) finishes a running request with ``FINISH_ABORT()`` ("Aborted", no status
+    code: sglang/srt/managers/scheduler.py, ``Scheduler.abort_request``) and a queued one with "Abort in waiting
+    queue" (``TokenizerManager._handle_abort_req``). A request the scheduler rejects or gives up on carries an HTTP
+    status code (``Req.set_finish_with_abort``: 400, schedule_batch.py; 500 / 503 when memory runs out), which
+    non-streaming 0.5.23 raises from ``generate`` instead (tokenizer_manager.py, ``_handle_abort_finish_reason``);
+    any abort that comes back while no pause was asked is a failure too."""
+    reason = meta["finish_reason"]
+    if reason.get("status_code") is None and paused:
+        return None
+    return f"SGLang aborted request {meta.get('id')}: {reason.get('message') or 'no message'}" + (
+        f" (status {reason['status_code']})" if reason.get("status_code") is not None else " (not by a pause)")
+
+
 def _generate(engine, prompts: list[list[int]], sampling: list[dict],
               routing_shape: tuple[int, int] | None = None,
-              images: list[ImageInputs | None] | None = None) -> list[EngineResponse]:
+              images: list[ImageInputs | None] | None = None,
+              paused: Callable[[], bool] = lambda: True) -> list[EngineResponse]:
     """``routing_shape``: ``(num_hidden_layers, num_experts_per_tok)`` to ask for routed experts, else None.
-    ``images``: per request, None or its images; the input ids keep their expanded pad tokens."""
+    ``images``: per request, None or its images; the input ids keep their expanded pad tokens. ``paused()``:
+    whether a pause was asked during the call (an abort is then the pause's, unless it carries a status code)."""
     routing = {"return_routed_experts": True} if routing_shape is not None else {}
     outputs = engine.generate(input_ids=prompts, sampling_params=sampling, return_logprob=True,
                               logprob_start_len=-1, **routing, **_image_data(images))  # -1: no prompt log-probs
@@ -177,6 +195,9 @@ def _generate(engine, prompts: list[list[int]], sampling: list[dict],
         reason = meta["finish_reason"]["type"]
         if reason not in ("stop", "length", "abort"):
             raise RuntimeError(f"SGLang ended request {meta.get('id')} with {meta['finish_reason']}")
+        failure = _abort_failure(meta, paused()) if reason == "abort" else None
+        if failure is not None:
+            raise RuntimeError(failure)
         # An aborted request that was still queued comes back without output_ids (_handle_abort_req).
         tokens = list(output.get("output_ids", []))
         # (logprob, token id, text or None) per generated token
@@ -278,6 +299,7 @@ class SGLangEngine(EngineAdapter):
         self.keeps_weights_asleep = bool(server_kwargs.get("enable_weights_cpu_backup", False))
         self.engine = _new_engine(self._sglang, str(self.model_path), server_kwargs)
         self._loop = _EngineThread()
+        self._pauses = 0  # pause_generation calls: an abort is the pause's only if one came during the call
 
     def sleep(self, level: int = 1) -> None:
         """Level 1 needs the engine built with ``enable_weights_cpu_backup=True`` (the weights come back on
@@ -304,9 +326,13 @@ class SGLangEngine(EngineAdapter):
         sampling = [_sampling_params(p, seed, ignore_eos=not self.facts.eos_token_ids <= set(p.stop_token_ids))
                     for p, seed in zip(params, seeds)]
         routing_shape = (self.facts.num_layers, self.facts.experts_per_token) if self.record_routing else None
-        return self._loop.run(_generate, self.engine, prompts, sampling, routing_shape, images)
+        # A pause in effect as the call starts, or asked during it, aborts it (_abort_while_paused repeats).
+        pauses, paused_at_start = self._pauses, self._paused.is_set()
+        return self._loop.run(_generate, self.engine, prompts, sampling, routing_shape, images,
+                              lambda: paused_at_start or self._pauses != pauses)
 
     def _engine_interrupt(self, paused: threading.Event) -> None:
+        self._pauses += 1
         _interrupt(self.engine, paused)
 
     def _engine_open_update(self) -> None:

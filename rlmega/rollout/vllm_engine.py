@@ -1,4 +1,4 @@
-"""``RolloutEngine`` over vLLM's offline ``LLM`` (vLLM >=0.33,<0.34, its V1 engine).
+"""``RolloutEngine`` over vLLM's offline ``LLM`` (vLLM >=0.33,<0.35, its V1 engine).
 
 Two ways to get new weights in:
 
@@ -49,7 +49,9 @@ from rlmega.rollout.weight_group import WeightMeta
 from rlmega.data.schema import ImageInputs
 from rlmega.data.images import keeping_sizes
 
-SUPPORTED_VERSIONS = ((0, 33), (0, 34))  # setup.py's `vllm` extra: vllm>=0.33,<0.34
+# setup.py's `vllm` extra: vllm>=0.33,<0.35 (0.34.0 changed nothing the adapter calls: both wheels' API snapshots,
+# tests/rollout/fakes/api/vllm.json and vllm-0.34.json).
+SUPPORTED_VERSIONS = ((0, 33), (0, 35))
 # vLLM's weight-transfer backend the engine is built with: "nccl" for rlmega's own transports (its start / finish
 # run the layerwise reload around rlmega's loads), "sharded_rdt" for rlmega.sync.vllm_sharded.
 WEIGHT_TRANSFERS = ("nccl", "sharded_rdt")
@@ -85,15 +87,28 @@ def _import_vllm():
     return vllm
 
 
-def _engine_settings(record_routing: bool, weight_transfer: str = "nccl") -> dict:
+def executor_backend(weight_transfer: str) -> str | None:
+    """The vLLM executor a weight transfer needs (None: any). vLLM's sharded_rdt engine raises ``ValueError`` at
+    construction unless ``distributed_executor_backend == "ray"``, the one executor whose workers are Ray actors
+    with a tensor transport (vllm/distributed/weight_transfer/sharded_rdt_engine.py, ``__init__``); unset, vLLM
+    picks "uni" for one GPU and "mp" for more (vllm/config/parallel.py)."""
+    return "ray" if weight_transfer == "sharded_rdt" else None
+
+
+def _engine_settings(record_routing: bool, weight_transfer: str = "nccl", multimodal: bool = False) -> dict:
     """Engine arguments the adapter depends on."""
     routing = {"enable_return_routed_experts": True} if record_routing else {}
+    executor = executor_backend(weight_transfer)
     return {
         # Every request's CompletionOutput.routed_experts: [P + R - 1, num_hidden_layers, k] (no per-request
         # switch; SamplingParams.routed_experts_prompt_start, default 0, would skip prompt rows).
         **routing,
-        # Token ids in, token ids out: no tokenizer, no detokenizer.
-        "skip_tokenizer_init": True,
+        **({"distributed_executor_backend": executor} if executor else {}),
+        # Token ids in, token ids out: no tokenizer, no detokenizer. A multimodal model's processor is built at
+        # construction and refuses to start without the tokenizer (vllm/multimodal/processing/processor.py:
+        # BaseMultiModalProcessor.__init__, requires_tokenizer; built by vllm/renderers/base.py), so those load
+        # it; the requests stay token ids in (prompt_token_ids) and out (detokenize=False).
+        "skip_tokenizer_init": not multimodal,
         # Log-probs of the distribution sampled from (vllm/v1/sample/sampler.py: after temperature, then
         # top-k / top-p): the trainer scores the batch at the same temperature. With top-k / top-p set the
         # engine's log-probs include the truncation and the trainer's do not (README: Temperature).
@@ -106,6 +121,31 @@ def _engine_settings(record_routing: bool, weight_transfer: str = "nccl") -> dic
         # it); the NCCL engine's start and finish run the layerwise reload around our loads.
         "weight_transfer_config": {"backend": weight_transfer},
     }
+
+
+# vLLM loads several on-disk weights into one layer: packed_modules_mapping in vllm/model_executor/models/llama.py,
+# qwen2.py, qwen3.py, qwen3_moe.py, mixtral.py, qwen2_5_vl.py ("qkv_proj", "gate_up_proj") and deepseek_v2.py
+# ("fused_qkv_a_proj"); FusedMoE holds every expert of a layer (vllm/model_executor/layers/fused_moe/layer.py).
+PACKED_LAYERS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+                 "up_proj": "gate_up_proj", "q_a_proj": "fused_qkv_a_proj", "kv_a_proj_with_mqa": "fused_qkv_a_proj"}
+
+
+def vllm_layer(name: str) -> str:
+    """The vLLM layer an on-disk weight is loaded into: ``...self_attn.k_proj.weight`` -> ``...self_attn.qkv_proj``,
+    ``...mlp.experts.3.up_proj.weight`` -> ``...mlp.experts``, ``...o_proj.weight`` -> ``...o_proj``.
+
+    The update session reloads layer by layer (vllm/model_executor/model_loader/reload/layerwise.py): each layer is
+    rebuilt on the meta device and materialised once all its elements arrived; at ``finish_weight_update``
+    (``finalize_layerwise_processing``) a layer that got only part of them is materialised from fresh,
+    uninitialised memory with just those parts copied in."""
+    parts = name.split(".")[:-1]  # the parameter (weight / bias) is part of its layer
+    if "experts" in parts:
+        index = parts.index("experts")
+        if index + 1 < len(parts) and parts[index + 1].isdigit():
+            return ".".join(parts[:index + 1])
+    if parts and parts[-1] in PACKED_LAYERS:
+        parts[-1] = PACKED_LAYERS[parts[-1]]
+    return ".".join(parts)
 
 
 def _new_llm(vllm, model: str, engine_kwargs: dict):
@@ -274,13 +314,23 @@ class VLLMEngine(EngineAdapter):
                  weight_transfer: str = "nccl", **engine_kwargs):
         if weight_transfer not in WEIGHT_TRANSFERS:
             raise ValueError(f"VLLMEngine weight_transfer={weight_transfer!r}: choose one of {list(WEIGHT_TRANSFERS)}")
+        executor = executor_backend(weight_transfer)
+        if executor and engine_kwargs.get("distributed_executor_backend", executor) != executor:
+            raise ValueError(f"VLLMEngine weight_transfer={weight_transfer!r} needs distributed_executor_backend="
+                             f"{executor!r} (vLLM refuses to start it with any other executor), got "
+                             f"{engine_kwargs['distributed_executor_backend']!r}")
         self._vllm = _import_vllm()
         self.weight_transfer = weight_transfer
-        engine_kwargs = adapter_settings("VLLMEngine", engine_kwargs, _engine_settings(record_routing, weight_transfer))
-        self._workers = math.prod(int(engine_kwargs.get(key) or 1) for key in (
-            "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"))
         super().__init__(model, bucket_bytes=bucket_bytes, engine_version=self._vllm.__version__,
                          record_routing=record_routing)
+        engine_kwargs = adapter_settings("VLLMEngine", engine_kwargs, _engine_settings(
+            record_routing, weight_transfer, multimodal=self.facts.image_token_id is not None))
+        self._workers = math.prod(int(engine_kwargs.get(key) or 1) for key in (
+            "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"))
+        self._layers: dict[str, set[str]] = {}  # vLLM layer -> the on-disk names loaded into it
+        for name in self.weights.shapes:
+            self._layers.setdefault(vllm_layer(name), set()).add(name)
+        self._session_names: set[str] = set()  # on-disk names sent since begin_update
         if in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when the LLM is built
         self.llm = _new_llm(self._vllm, str(self.model_path), engine_kwargs)
@@ -315,6 +365,7 @@ class VLLMEngine(EngineAdapter):
         _finish_update(self.llm, version)
 
     def _engine_load(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        self._session_names.update(self.weights.check(name, tensor) for name, tensor in bucket)
         _load_weights(self.llm, bucket)
 
     def _engine_join_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -322,6 +373,8 @@ class VLLMEngine(EngineAdapter):
         _init_group(self.llm, master_address, master_port, rank_offset, world_size, group_name, backend)
 
     def _engine_receive(self, metas: list[WeightMeta], group_name: str) -> None:
+        self._session_names.update(self.weights.check(name, torch.empty(shape, device="meta"))
+                                   for name, _, shape in metas)
         _receive_weights(self.llm, metas, group_name)
 
     def _engine_leave_group(self, group_name: str) -> None:
@@ -353,6 +406,27 @@ class VLLMEngine(EngineAdapter):
                                "rlmega.sync.vllm_sharded.ShardedSync; build it with weight_transfer='nccl' for "
                                "rlmega's own transports")
         super().begin_update(version)
+        self._session_names = set()
+
+    @serialised
+    def commit_update(self) -> None:
+        """Refuses (``ValueError``, the update left torn) an update that sent part of a vLLM layer: vLLM would
+        rebuild the rest of it from uninitialised memory (``vllm_layer``)."""
+        self._check_whole_layers()
+        super().commit_update()
+        self._session_names = set()
+
+    def _check_whole_layers(self) -> None:
+        for layer in sorted({vllm_layer(name) for name in self._session_names}):
+            missing = sorted(self._layers[layer] - self._session_names)
+            if missing:
+                sent = sorted(self._layers[layer] & self._session_names)
+                raise ValueError(
+                    f"the update to version {self._book.pending} sent {', '.join(sent[:3])}"
+                    f"{' ...' if len(sent) > 3 else ''} without {', '.join(missing[:3])}"
+                    f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''}: vLLM loads them into one layer "
+                    f"({layer}) and rebuilds a partly sent layer from uninitialised memory; send every weight of "
+                    f"the layer in the same update (the engine refuses to generate until an update completes)")
 
     def native_transfer_workers(self) -> int:
         """The engine's workers (tensor x pipeline x data parallel): vLLM's consumers of one engine."""

@@ -43,6 +43,9 @@ if TYPE_CHECKING:  # the schedules build this one: a type only, no import at run
     from rlmega.trainer.schedules import ScheduleConfig
 
 _POLL_S = 0.05
+MAX_EMPTY_ABORTS = 32
+"""Aborts in a row that brought a response no token before it is given up (the run stops, naming the engine): a
+pause aborts each response in flight at most once per weight sync, so more means the engine keeps refusing it."""
 
 
 @dataclasses.dataclass
@@ -52,6 +55,7 @@ class _Response:
     versions: list[int] = dataclasses.field(default_factory=list)
     finish: Optional[str] = None
     segments: int = 0  # engine requests it took (more than one when interrupted)
+    empty_aborts: int = 0  # its last requests in a row that came back "abort" without a token
     agent: Optional[AgentState] = None
     """A multi-turn trajectory (``agent.enabled``): ``tokens``, ``logprobs`` and ``versions`` then hold the turn
     being generated, ``agent.trajectory`` the turns, tool outputs and glue before it."""
@@ -353,13 +357,19 @@ class AsyncRollouts:
                 self._window.restarted += 1
                 # A trajectory restarts its turn: the turns before it are whole.
                 group.responses[sample] = response = _Response(segments=response.segments, agent=response.agent,
-                                                               trajectory_versions=response.trajectory_versions)
+                                                               trajectory_versions=response.trajectory_versions,
+                                                               empty_aborts=response.empty_aborts)
             else:
                 response.tokens += generation.response_token_ids
                 response.logprobs += generation.logprobs
                 response.versions += [generation.weight_version] * len(generation.response_token_ids)
             if generation.finish_reason == "abort":
                 self._window.interrupted += 1
+                response.empty_aborts = 0 if generation.response_token_ids else response.empty_aborts + 1
+                if response.empty_aborts > MAX_EMPTY_ABORTS:
+                    raise RuntimeError(f"rollout engine {engine} aborted a response {response.empty_aborts} times in a "
+                                       "row without generating a token; it keeps refusing the request (see the "
+                                       "engine's log)")
                 self._pending.append((group, sample))
                 continue
             if response.agent is not None:

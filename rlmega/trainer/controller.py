@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from rlmega.algos.rollout_correction import compute_rollout_correction
+from rlmega.config.engine_sampling import truncates_engine_logprobs
 from rlmega.config.schema import RLConfig
 from rlmega.trainer.advantages import compute_advantages
 from rlmega.trainer.metrics import MetricsTracker
@@ -190,7 +191,10 @@ class Trainer:
             fields["response_mask"] = unpadded(correction.response_mask)
         if correction.is_weights is not None:
             fields["rollout_is_weights"] = unpadded(correction.is_weights)
-        return fields, {name: float(value) for name, value in correction.metrics.items()}
+        metrics = {name: float(value) for name, value in correction.metrics.items()}
+        # 1: the engine's log-probs are of the top-k / top-p truncated distribution, the trainer's are not.
+        metrics["mismatch/truncated_logprobs"] = float(truncates_engine_logprobs(self.config))
+        return fields, metrics
 
     # ---- phases ---------------------------------------------------------------------------
 

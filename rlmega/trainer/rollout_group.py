@@ -259,15 +259,16 @@ def _engine(config: RLConfig) -> tuple[type, dict]:
         arguments.setdefault("dtype", torch.bfloat16 if on_gpu else torch.float32)
         return HFEngine, arguments
     if rollout.backend == "vllm":
-        from rlmega.rollout.vllm_engine import VLLMEngine
+        from rlmega.rollout.vllm_engine import VLLMEngine, executor_backend
 
-        if rollout.gpus_of_one_engine > 1:
-            # vLLM 0.33 picks its Ray executor for tp x dp > 1 inside a placement group (vllm/config/parallel.py),
-            # whose workers would wait for GPUs this actor, or colocated the training ranks, already hold; its
-            # multiprocessing executor starts them on the GPUs this actor sees.
-            arguments.setdefault("distributed_executor_backend", "mp")
         for name, value in config.sync.engine_arguments().items():  # the weight transfer the sync drives
             arguments.setdefault(name, value)
+        if rollout.gpus_of_one_engine > 1 and executor_backend(arguments.get("weight_transfer", "nccl")) is None:
+            # vLLM 0.33 picks its Ray executor for tp x dp > 1 inside a placement group (vllm/config/parallel.py),
+            # whose workers would wait for GPUs this actor, or colocated the training ranks, already hold; its
+            # multiprocessing executor starts them on the GPUs this actor sees. (A transfer that needs an executor
+            # of its own gets it from the adapter.)
+            arguments.setdefault("distributed_executor_backend", "mp")
         return VLLMEngine, {"bucket_bytes": config.sync.bucket_bytes, **arguments}
     from rlmega.rollout.sglang_engine import SGLangEngine
 

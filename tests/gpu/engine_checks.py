@@ -16,8 +16,8 @@ def tensors(directory):
     return sorted(load_file(next(directory.glob("*.safetensors"))).items())
 
 
-def reference(directory):
-    return HFEngine(directory, dtype=torch.float32, device="cuda", attn_implementation="eager")
+def reference(directory, device="cuda"):
+    return HFEngine(directory, dtype=torch.float32, device=device, attn_implementation="eager")
 
 
 def assert_matches(actual, expected):
@@ -55,3 +55,22 @@ def check_update_sleep_wake(engine, directory, other_directory):
     engine.wake()
     assert engine.weight_version() == 2 and engine.health()["ready"]
     assert_matches(engine.generate(PROMPTS, GREEDY), before)
+
+
+def check_top_k_logprobs_are_truncated(engine, directory, device="cuda"):
+    """vLLM's log-probs under top-k are those of the truncated distribution it samples from
+    (``processed_logprobs``: log_softmax over the k kept logits / T), not the full one the trainer scores: what
+    rlmega refuses with bypass_mode and reports as ``mismatch/truncated_logprobs`` (rlmega/config/engine_sampling.py).
+    The CPU twin runs it on the fake (tests/rollout/test_vllm_adapter.py)."""
+    hf, k, temperature = reference(directory, device), 5, 0.7
+    sampled = engine.generate(PROMPTS, SamplingParams(temperature=temperature, top_k=k, max_new_tokens=8, seed=2))
+    for g in sampled:
+        tokens = torch.tensor([PROMPTS[g.prompt_index] + g.response_token_ids], device=device)
+        with torch.no_grad():
+            logits = hf.model(tokens).logits[0, len(PROMPTS[g.prompt_index]) - 1:-1].float() / temperature
+        kept = logits.masked_fill(logits < logits.topk(k, dim=-1).values[:, -1:], float("-inf"))
+        response = tokens[0, -len(g.response_token_ids):, None]
+        truncated = torch.log_softmax(kept, -1).gather(-1, response)[:, 0]
+        full = torch.log_softmax(logits, -1).gather(-1, response)[:, 0]
+        torch.testing.assert_close(torch.tensor(g.logprobs), truncated.cpu(), atol=LOGPROB_ATOL, rtol=0)
+        assert bool((truncated - full > LOGPROB_ATOL).all()), "the truncation should raise every token's log-prob"

@@ -103,7 +103,8 @@ engine_checks() {  # the checks of one extra's environment
             "$1-sleep-sync-wake-memory|tests/gpu/test_engine_cluster.py::test_sleep_sync_wake_returns_memory_to_baseline[$1]" \
             "$1-grpo-three-steps|tests/gpu/test_trainer_gpu.py::test_three_grpo_steps_on_gpu"
             [ "$1" = sglang ] || echo \
-            "vllm-grpo-sharded-rdt|tests/gpu/test_trainer_gpu.py::test_three_grpo_steps_with_vllm_sharded_rdt" ;;
+            "vllm-grpo-sharded-rdt|tests/gpu/test_trainer_gpu.py::test_three_grpo_steps_with_vllm_sharded_rdt" \
+            "vllm-top-k-truncated-logprobs|tests/gpu/test_vllm_engine.py::test_top_k_logprobs_are_of_the_truncated_distribution" ;;
         gpu) echo \
             "te-thd-partition|tests/gpu/test_context_parallel_te.py" \
             "te-worker-packed-equals-padded|tests/gpu/test_worker_gpu.py::test_packed_update_equals_padded_on_gpu" \

@@ -6,7 +6,8 @@ import gc
 import pytest
 
 from .conftest import ENGINE_MODELS
-from .engine_checks import check_greedy_and_sampled_logprobs, check_update_sleep_wake
+from .engine_checks import (check_greedy_and_sampled_logprobs, check_top_k_logprobs_are_truncated,
+                            check_update_sleep_wake)
 
 pytestmark = pytest.mark.gpu
 
@@ -33,3 +34,8 @@ def test_greedy_and_logprobs_match_hf(engine, gpu_model_dirs):
 @pytest.mark.parametrize("engine", ["llama"], indirect=True)
 def test_update_sleep_wake(engine, gpu_llama_dir, gpu_llama_other_dir):
     check_update_sleep_wake(engine, gpu_llama_dir, gpu_llama_other_dir)
+
+
+@pytest.mark.parametrize("engine", ["llama"], indirect=True)
+def test_top_k_logprobs_are_of_the_truncated_distribution(engine, gpu_llama_dir):
+    check_top_k_logprobs_are_truncated(engine, gpu_llama_dir)

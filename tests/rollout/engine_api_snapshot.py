@@ -15,7 +15,11 @@ Regenerate after changing a pin in setup.py (the wheels download on any machine)
     pip download --no-deps vllm==0.33.0 sglang==0.5.23 -d /tmp/wheels
     python tests/rollout/engine_api_snapshot.py /tmp/wheels/vllm-0.33.0-*.whl /tmp/wheels/sglang-0.5.23-*.whl
 
-A wheel path or an unpacked wheel directory both work. Output: ``tests/rollout/fakes/api/<name>.json``.
+A wheel path or an unpacked wheel directory both work. Output: ``tests/rollout/fakes/api/<name>.json``. The fakes
+emulate the oldest supported release; each other release the extra admits has a snapshot beside it, compared with
+it by tests/rollout/test_engine_pins.py:
+
+    python tests/rollout/engine_api_snapshot.py /tmp/wheels/vllm-0.34.0-*.whl --suffix=-0.34
 """
 
 from __future__ import annotations
@@ -308,12 +312,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sources", nargs="+", type=Path, help="vllm / sglang wheels or unpacked wheel directories")
     parser.add_argument("--out", type=Path, default=OUT_DIR)
+    parser.add_argument("--suffix", default="", help="appended to the file name: the fakes read <package>.json, the "
+                        "release they emulate; another supported release goes beside it, e.g. --suffix=-0.34")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     for path in args.sources:
         package = "sglang" if "sglang" in path.name else "vllm"
         data = snapshot(package, Source(path))
-        out = args.out / f"{package}.json"
+        out = args.out / f"{package}{args.suffix}.json"
         out.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         print(f"{out}: {package} {data['version']}")
     return 0

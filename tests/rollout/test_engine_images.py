@@ -270,3 +270,16 @@ def test_images_for_a_text_model_are_refused(monkeypatch, llama_dir, batch):
     engine = VLLMEngine(llama_dir)
     with pytest.raises(ValueError, match="images given, but this llama model takes text only"):
         engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2), images=[batch[1][1]])
+
+
+def test_a_vllm_multimodal_engine_is_built_with_its_tokenizer(vllm_engine, vl_dir, batch):
+    """vLLM builds a multimodal model's processor at construction, and it refuses to start without the tokenizer
+    (the fake, as vllm/multimodal/processing/processor.py); the requests stay token ids in and out."""
+    with pytest.raises(ValueError, match="requires a tokenizer and cannot be initialized when `skip_tokenizer_init"):
+        fake_vllm.LLM(str(vl_dir), skip_tokenizer_init=True)
+    assert vllm_engine.llm.calls[0][2]["skip_tokenizer_init"] is False
+    ids, images = batch
+    generations = vllm_engine.generate(ids[:2], PARAMS, images=images[:2])
+    (_, sent, params), = [c for c in vllm_engine.llm.calls if c[0] == "generate"]
+    assert all(p.detokenize is False for p in params) and all(isinstance(t, int) for t in sent[0])
+    assert all(g.response_token_ids for g in generations)

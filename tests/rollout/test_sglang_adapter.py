@@ -2,6 +2,7 @@
 bound to the API recorded from the wheel (fakes/api/sglang.json): the RolloutEngine contract, and the SGLang
 calls the adapter makes. tests/gpu/test_sglang_engine.py runs the real engine."""
 
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -292,7 +293,7 @@ def test_responses_aborted_while_queued_have_no_routing(make_engine, qwen3_moe_d
 
 def test_the_fake_returns_routing_as_the_release_does(sglang, qwen3_moe_dirs):
     """Only with the server argument and the request's flag; base64 of int32 [seqlen - 1 - start, layers, k];
-    a routed_experts_start_len past the prompt aborts the request (Scheduler)."""
+    a routed_experts_start_len past the prompt is rejected (Scheduler), which a non-streaming generate raises."""
     path = str(qwen3_moe_dirs[0])
     params = [{"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}]
     plain = sglang.Engine(model_path=path).generate(input_ids=[[1, 2, 3]], sampling_params=params,
@@ -303,9 +304,9 @@ def test_the_fake_returns_routing_as_the_release_does(sglang, qwen3_moe_dirs):
                              routed_experts_start_len=1)
     rows = np.frombuffer(base64.b64decode(out["meta_info"]["routed_experts"]), dtype=np.int32)
     assert rows.size == (3 + 3 - 1 - 1) * 2 * 2
-    (bad,) = engine.generate(input_ids=[[1, 2, 3]], sampling_params=params, return_routed_experts=True,
-                             routed_experts_start_len=4)
-    assert bad["meta_info"]["finish_reason"]["type"] == "abort"
+    with pytest.raises(ValueError, match="out of range"):  # rejected (status 400): raised, not returned
+        engine.generate(input_ids=[[1, 2, 3]], sampling_params=params, return_routed_experts=True,
+                        routed_experts_start_len=4)
 
 
 def test_version_gate(sglang, monkeypatch, llama_dir):
@@ -326,3 +327,33 @@ def test_the_gpu_fixture_arguments_are_accepted(sglang, llama_dir):
 
     assert ENGINE_KWARGS["attention_backend"] in sglang.API["constants"]["DETERMINISTIC_ATTENTION_BACKEND_CHOICES"]
     SGLangEngine(llama_dir, **ENGINE_KWARGS).shutdown()
+
+
+@pytest.mark.parametrize("finish_reason, message", [
+    ({"type": "abort", "message": "Abort in waiting queue"}, "Abort in waiting queue (not by a pause)"),
+    ({"type": "abort", "message": "Out of memory even after retracting all other requests", "status_code": 500},
+     "Out of memory even after retracting all other requests (status 500)"),
+])
+def test_an_abort_that_is_not_the_pauses_fails_the_request(make_engine, llama_dir, monkeypatch, finish_reason,
+                                                            message):
+    """Only the pause's aborts (no status code, a pause asked during the call) come back as "abort"; any other
+    abort SGLang returns fails the call with SGLang's message, so that no caller resubmits it for ever."""
+    engine = make_engine(llama_dir)
+    answer = engine.engine.generate
+
+    def aborting(*args, **kwargs):
+        outputs = answer(*args, **kwargs)
+        outputs[0] = {"text": "", "meta_info": {"id": "7", "finish_reason": finish_reason, "prompt_tokens": 0,
+                                                "completion_tokens": 0}}
+        return outputs
+
+    monkeypatch.setattr(engine.engine, "generate", aborting)
+    with pytest.raises(RuntimeError, match=re.escape(f"SGLang aborted request 7: {message}")):
+        engine.generate(PROMPTS[:2], contract.GREEDY)
+    engine._paused.set()  # a call made past the pause check: a waiting-queue abort is then the pause's
+    reasons = [r.aborted for r in engine._engine_generate(PROMPTS[:2], [contract.GREEDY] * 2, [None] * 2)
+               ] if "status_code" not in finish_reason else None
+    assert reasons in (None, [True, False])
+    if "status_code" in finish_reason:  # an error is one, paused or not
+        with pytest.raises(RuntimeError, match="status 500"):
+            engine._engine_generate(PROMPTS[:2], [contract.GREEDY] * 2, [None] * 2)

@@ -234,8 +234,10 @@ def test_version_gate(vllm, monkeypatch, llama_dir):
 
     monkeypatch.setattr(vllm, "__version__", "0.11.0")
     with pytest.raises(RuntimeError, match=r"vllm 0\.11\.0 is installed, but rlmega's vllm adapter supports "
-                                           r"vllm>=0\.33,<0\.34"):
+                                           r"vllm>=0\.33,<0\.35"):
         VLLMEngine(llama_dir)
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")  # 0.34: the same calls (fakes/api/vllm-0.34.json)
+    assert VLLMEngine(llama_dir).health()["engine_version"] == "0.34.0"
 
 
 def test_importing_rlmega_rollout_imports_no_engine():
@@ -243,3 +245,71 @@ def test_importing_rlmega_rollout_imports_no_engine():
             "assert r.VLLMEngine.__name__ == 'VLLMEngine' and r.SGLangEngine.__name__ == 'SGLangEngine'; "
             "assert 'vllm' not in sys.modules and 'sglang' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_sharded_rdt_engines_are_built_on_vllms_ray_executor(make_engine, llama_dir):
+    """vLLM's sharded_rdt engine refuses any executor but Ray's at construction (the fake, as the wheel's
+    sharded_rdt_engine.py); unset, vLLM would pick "uni" for one GPU."""
+    with pytest.raises(ValueError, match="requires distributed_executor_backend='ray', got 'uni'"):
+        fake_vllm.LLM(str(llama_dir), weight_transfer_config={"backend": "sharded_rdt"})
+    engine = make_engine(llama_dir, weight_transfer="sharded_rdt")
+    assert engine.llm.calls[0][2]["distributed_executor_backend"] == "ray"
+    assert "distributed_executor_backend" not in make_engine(llama_dir).llm.calls[0][2]  # nccl: vLLM's choice
+    with pytest.raises(ValueError, match="weight_transfer='sharded_rdt' needs distributed_executor_backend='ray'"):
+        make_engine(llama_dir, weight_transfer="sharded_rdt", distributed_executor_backend="mp")
+
+
+def test_vllm_layer_groups_the_weights_vllm_loads_together():
+    from rlmega.rollout.vllm_engine import vllm_layer
+
+    attention = "model.layers.0.self_attn."
+    assert {vllm_layer(attention + f"{p}_proj.{kind}") for p in "qkv" for kind in ("weight", "bias")} == \
+        {attention + "qkv_proj"}
+    assert vllm_layer(attention + "o_proj.weight") == attention + "o_proj"
+    assert vllm_layer("model.layers.1.mlp.up_proj.weight") == vllm_layer("model.layers.1.mlp.gate_proj.weight")
+    assert vllm_layer("model.layers.1.mlp.experts.7.down_proj.weight") == "model.layers.1.mlp.experts"
+    assert vllm_layer("model.layers.1.mlp.shared_expert.up_proj.weight") == "model.layers.1.mlp.shared_expert.gate_up_proj"
+    assert vllm_layer("model.layers.0.block_sparse_moe.experts.0.w1.weight") == "model.layers.0.block_sparse_moe.experts"
+    assert vllm_layer("model.layers.0.self_attn.kv_a_proj_with_mqa.weight") == \
+        vllm_layer("model.layers.0.self_attn.q_a_proj.weight")
+
+
+def test_a_partial_update_of_a_fused_layer_is_refused(make_engine, llama_dir, tmp_path):
+    """q_proj without k_proj / v_proj: vLLM would rebuild the rest of qkv_proj from uninitialised memory at the
+    end of the update (vllm/model_executor/model_loader/reload/layerwise.py), so the commit refuses and the engine
+    refuses to generate until a whole update lands; a whole layer alone is fine."""
+    from rlmega.rollout import EngineNotReadyError
+
+    engine = make_engine(llama_dir)
+    tensors = dict(checkpoint_tensors(llama_dir))
+    q_name = "model.layers.0.self_attn.q_proj.weight"
+    with pytest.raises(ValueError, match=r"q_proj.weight without .*k_proj.weight.*self_attn.qkv_proj"):
+        engine.update_weights(iter([(q_name, tensors[q_name])]), version=1)
+    assert engine.weight_version() == 0 and engine.health()["torn_update_version"] == 1
+    with pytest.raises(EngineNotReadyError):
+        engine.generate(PROMPTS[:1], contract.GREEDY)
+    attention = [(name, tensor) for name, tensor in tensors.items() if ".0.self_attn." in name and "_proj" in name]
+    engine.update_weights(iter(attention), version=1)  # the whole of qkv_proj (and o_proj)
+    assert engine.weight_version() == 1 and engine.health()["ready"]
+    engine.generate(PROMPTS[:1], contract.GREEDY)
+
+
+def test_the_fake_stops_before_the_length_limit_as_vllm_does(vllm, llama_dir):
+    """vllm/v1/core/sched/utils.py check_stop tests the stop tokens before the length limit: a stop token drawn
+    as the last allowed token finishes "stop"."""
+    llm = fake_vllm.LLM(str(llama_dir), skip_tokenizer_init=True)
+    request = [{"prompt_token_ids": PROMPTS[0]}]
+    free = llm.generate(request, fake_vllm.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    tokens = free[0].outputs[0].token_ids
+    k = max(i for i, token in enumerate(tokens) if token not in tokens[:i])  # a token not drawn before it
+    stopped = llm.generate(request, fake_vllm.SamplingParams(temperature=0, max_tokens=k + 1, ignore_eos=True,
+                                                             stop_token_ids=[tokens[k]]))[0].outputs[0]
+    assert stopped.token_ids == tokens[:k + 1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == tokens[k]
+
+
+def test_top_k_logprobs_are_of_the_truncated_distribution_on_cpu(make_engine, llama_dir):
+    """CPU twin of tests/gpu/test_vllm_engine.py's check, on the fake (processed_logprobs, as the wheel's sampler)."""
+    from gpu.engine_checks import check_top_k_logprobs_are_truncated
+
+    check_top_k_logprobs_are_truncated(make_engine(llama_dir), llama_dir, device="cpu")

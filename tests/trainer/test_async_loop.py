@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from rlmega.config import load_config
+from rlmega.rollout.protocol import Generation
 from rlmega.trainer.async_rollouts import AsyncRollouts, _Done, _Group, _Response
 from rlmega.trainer.controller import Trainer
 from rlmega.trainer.prompt_side import build_prompt_side
@@ -223,3 +224,21 @@ def test_each_engine_request_holds_one_steps_prompts_oldest_first(tmp_path, asse
     assert engines.aborted  # syncs interrupted requests, so continuations waited beside new prompts
     assert any(mixed_waiting), "no dispatch found work of two steps waiting; the test checks nothing"
     assert all(len(steps) == 1 for steps in requests), requests
+
+
+class RefusingEngines(FakeAsyncEngines):
+    """Engines that answer every request with empty aborts, as an engine that keeps refusing a request would."""
+
+    def _run(self, prompts, params, version):
+        self.aborted += len(prompts)
+        return [Generation(prompt_index=row, response_token_ids=[], logprobs=[], finish_reason="abort",
+                           weight_version=version) for row in range(len(prompts))]
+
+
+def test_resubmissions_of_a_response_that_never_progresses_are_bounded(tmp_path, assets):
+    from rlmega.trainer.async_rollouts import MAX_EMPTY_ABORTS
+
+    trainer, _, engines, _ = _async_trainer(tmp_path, assets, engines=RefusingEngines)
+    with pytest.raises(RuntimeError, match=f"aborted a response {MAX_EMPTY_ABORTS + 1} times in a row"):
+        trainer.fit()
+    assert engines.aborted <= (MAX_EMPTY_ABORTS + 1) * PROMPTS * N * 4

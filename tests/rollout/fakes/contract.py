@@ -53,7 +53,7 @@ def check_greedy_matches_hf(engine, reference: HFEngine) -> None:
     assert actual[0].response_token_ids[-1] == stop_token and actual[0].finish_reason == "stop"
     assert len(actual[0].response_token_ids) == k + 1
     assert {g.finish_reason for g in actual[1:]} == {"length"}
-    # A stop token drawn as the last allowed token is a stop, though the engines test the length first.
+    # A stop token drawn as the last allowed token is a stop (the engines test the stop tokens first too).
     last = SamplingParams(temperature=0, max_new_tokens=k + 1, stop_token_ids=(stop_token,))
     assert engine.generate(PROMPTS[:1], last)[0].finish_reason == "stop"
 

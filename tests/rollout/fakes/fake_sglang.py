@@ -6,7 +6,8 @@ fields, and the log-prob switch the fake reads is the one the wheel reads. Behav
 is reproduced: sampling-parameter dicts as in sglang/srt/sampling/sampling_params.py (temperature 0 ->
 top_k 1, top_k -1 for all, ``sampling_seed`` used only with ``enable_deterministic_inference``, which needs
 an attention backend from ``DETERMINISTIC_ATTENTION_BACKEND_CHOICES`` when one is named);
-Req.check_finished (length tested first; ``ignore_eos`` disables the EOS ids *and* ``stop_token_ids``);
+Req.update_finish_state (stop tokens tested before the length, schedule_batch.py:2038-2043; ``ignore_eos``
+disables the EOS ids *and* ``stop_token_ids``, _check_token_based_finish);
 the log-probs of sglang/srt/layers/sampler.py (``log_softmax(logits / temperature)`` unless
 ``SGLANG_RETURN_ORIGINAL_LOGPROB`` was set when the engine started); weight updates that run only inside
 a ``begin_weight_update`` / ``end_weight_update`` session
@@ -221,14 +222,13 @@ class Engine:
     def _decode(self, requests, return_logprob, routing_start=None):
         outputs = []
         for rid, ids, params, to_abort in requests:
-            if routing_start is not None and not 0 <= routing_start <= len(ids):  # Scheduler: aborted at once
+            if routing_start is not None and not 0 <= routing_start <= len(ids):
+                # Scheduler rejects it (Req.set_finish_with_abort: status 400), and a non-streaming generate raises
+                # the message for the whole batch (tokenizer_manager.py:1891-1922, _handle_abort_finish_reason).
+                raise ValueError(f"routed_experts_start_len={routing_start} is out of range")
+            if to_abort.is_set():  # still queued: popped from the waiting queue (tokenizer_manager.py:3577-3600)
                 outputs.append({"text": "", "meta_info": {
-                    "id": rid, "finish_reason": {"type": "abort", "message": f"{routing_start=} is out of range"},
-                    "prompt_tokens": 0, "completion_tokens": 0}})
-                continue
-            if to_abort.is_set():  # still queued: popped from the waiting queue
-                outputs.append({"text": "", "meta_info": {
-                    "id": rid, "finish_reason": {"type": "abort", "message": "Abort before prefill"},
+                    "id": rid, "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
                     "prompt_tokens": 0, "completion_tokens": 0}})
                 continue
             temperature, top_k = params.get("temperature", 1.0), params.get("top_k", -1)

@@ -8,7 +8,7 @@ vllm/entrypoints/rl/offline.py (``start_weight_update`` / ``finish_weight_update
 ``SamplingParams`` from vllm/sampling_params.py, ``CompletionOutput`` / ``RequestOutput`` from
 vllm/outputs.py, ``Logprob`` from vllm/logprobs.py. Behaviour the adapter relies on is reproduced:
 ``n > 1`` with greedy is refused, children of an ``n > 1`` request get ``seed + index``, the
-generation_config's EOS stops unless ``ignore_eos``, the length limit is tested before stop tokens,
+generation_config's EOS stops unless ``ignore_eos``, the stop tokens are tested before the length limit,
 ``logprobs_mode`` picks raw or processed log-probs, ``sleep`` needs ``enable_sleep_mode``, and weights
 slept through cannot be written until ``wake_up(tags=["weights"])``. ``enable_return_routed_experts`` is
 refused where vllm/config/vllm.py refuses it (a dense model, prefix caching off, PP > 1) and fills every
@@ -158,6 +158,16 @@ class LLM:
             raise ValueError(f"logprobs_mode {kwargs['logprobs_mode']!r} not in {API['constants']['LogprobsMode']}")
         if kwargs.get("weight_transfer_config") is not None:
             api_snapshot.check_fields(API, "WeightTransferConfig", kwargs["weight_transfer_config"])
+        if (kwargs.get("weight_transfer_config") or {}).get("backend") == "sharded_rdt":
+            # vllm/distributed/weight_transfer/sharded_rdt_engine.py:312-321 (ShardedRDTWeightTransferEngine.__init__,
+            # at engine construction); unset, vllm/config/parallel.py:1054-1099 resolves "uni" for one worker and
+            # "mp" for more (outside a Ray placement group).
+            world = tensor_parallel_size * kwargs.get("pipeline_parallel_size", 1)
+            backend = kwargs.get("distributed_executor_backend") or ("uni" if world == 1 else "mp")
+            if isinstance(backend, str) and backend != "ray":
+                raise ValueError(f"The 'sharded_rdt' weight transfer backend requires distributed_executor_backend="
+                                 f"'ray', got {backend!r}. Pass --distributed-executor-backend ray so the workers are "
+                                 f"RayExecutorV2 actors with tensor transport.")
         self.calls: list[tuple] = [("__init__", model, dict(
             kwargs, skip_tokenizer_init=skip_tokenizer_init, gpu_memory_utilization=gpu_memory_utilization,
             enable_return_routed_experts=enable_return_routed_experts))]
@@ -165,6 +175,12 @@ class LLM:
                                 tensor_parallel_size=tensor_parallel_size)
         self.model = TinyCausalLM(model)
         self.vision = vision_of(model)
+        if self.vision is not None and skip_tokenizer_init:
+            # vllm/renderers/base.py:194-199 builds the multimodal processor at construction, and
+            # vllm/multimodal/processing/processor.py:1038-1052 (BaseMultiModalProcessor.__init__, requires_tokenizer
+            # True; Qwen2_5_VLMultiModalProcessor keeps it) refuses to start without the tokenizer.
+            raise ValueError("Qwen2_5_VLMultiModalProcessor requires a tokenizer and cannot be initialized when "
+                             "`skip_tokenizer_init=True`. Disable `--skip-tokenizer-init`.")
         self.mm_requests: list[list[Optional[dict]]] = []
         self.return_routed_experts = enable_return_routed_experts
         if enable_return_routed_experts:  # vllm/config/vllm.py: _verify_aux_output_compatibility

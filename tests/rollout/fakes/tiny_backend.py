@@ -1,7 +1,7 @@
 """What both fakes compute with: a transformers model that decodes one request at a time on CPU.
 
 It reproduces the engine behaviour the adapters depend on, which each fake configures: which tokens
-stop a request, that the length limit is tested before the stop tokens (and an abort before both), and
+stop a request, that the stop tokens are tested before the length limit (and an abort before both), and
 which distribution the returned log-probs are taken from. Greedy picks the argmax (lowest id on ties),
 like both engines. ``routed_experts`` is what both engines' capturers hold for a sequence.
 """
@@ -73,8 +73,11 @@ class TinyCausalLM:
         """Sample one response. ``top_k <= 0`` disables top-k. ``logprobs_of``: which distribution the
         log-probs are taken from: ``raw`` logits, ``scaled`` by the temperature (SGLang's default when
         sampling), or ``processed``: scaled, then top-k / top-p masked and renormalised (vLLM's
-        ``processed_logprobs``). ``aborted()`` is asked after each token, before the length and stop rules
-        (SGLang's Req.check_finished: an aborted running request ends after one more decoding step)."""
+        ``processed_logprobs``). ``aborted()`` is asked after each token, before the stop and length rules
+        (SGLang's Req.update_finish_state: an aborted running request ends after one more decoding step). A stop
+        token drawn as the last allowed token is "stop": vLLM 0.33 tests the stop tokens first
+        (vllm/v1/core/sched/utils.py:98-119, check_stop), SGLang 0.5.23 too
+        (sglang/srt/managers/schedule_batch.py:2038-2043, update_finish_state)."""
         generator = torch.Generator()
         if seed is None:
             generator.seed()
@@ -104,7 +107,7 @@ class TinyCausalLM:
             logprobs.append(float(torch.log_softmax(source, dim=-1)[token]))
             if aborted():
                 return tokens, logprobs, "abort"
-            if len(tokens) >= max_tokens:  # both engines test the length limit first
-                return tokens, logprobs, "length"
             if token in stop_ids:
                 return tokens, logprobs, "stop"
+            if len(tokens) >= max_tokens:
+                return tokens, logprobs, "length"
