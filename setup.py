@@ -28,6 +28,8 @@ EXTRAS_REQUIRE = {
     "gpu": ["transformer-engine[pytorch]>=2.9,<2.12"],
     "vllm": ["vllm>=0.33,<0.35"],  # 0.34 changed nothing the adapter calls (tests/rollout/fakes/api/vllm-0.34.json)
     "sglang": ["sglang>=0.5.23,<0.5.24"],  # SGLang changes its Python API within 0.5.x
+    # sync.transport=sharded_rdt: vLLM's transfer over Ray's direct transport (rlmega/sync/sharded_rdt_needs.py).
+    "sharded_rdt": ["vllm>=0.33,<0.35", "ray[default]>=2.56,<3", "nixl>=1.5,<2"],
     "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "hypothesis>=6.100,<7",
              "import-linter>=2.16,<3"],  # tests/import_contracts.ini: the layers, checked with the suite
     # benchmarks/peer_trl.py: TRL's GRPOTrainer on the same job. TRL's requirements that rlmega does not

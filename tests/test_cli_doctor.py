@@ -79,6 +79,16 @@ def _cpu_refuses_megatron_core(report):
     report["cpu_platform"].update(megatron_core_checked=False, refusal="checked on 0.16.x, not 0.15.0")
 
 
+def _sharded_rdt_on_old_ray(report):
+    report["packages"]["vllm"]["version"] = "0.33.0"
+    report["packages"]["ray"]["version"] = "2.40.0"
+
+
+def _sharded_rdt_without_nixl(report):
+    report["packages"]["vllm"]["version"] = "0.34.0"
+    report["packages"]["ray"]["version"] = "2.60.0"
+
+
 MCORE_FIX = "pip install 'megatron-core==0.16.*'"
 
 # (rule, how to break the healthy report, a fragment of the fix the message must name)
@@ -104,6 +114,10 @@ RULE_CASES = [
     ("vllm_unsupported", _set_version("vllm", "0.11.0"), "pip install 'vllm>=0.33,<0.35'"),
     ("sglang_unsupported", _set_version("sglang", "0.5.3"), "pip install 'sglang>=0.5.23,<0.5.24'"),
     ("unrelated_apex", _unrelated_apex, "pip uninstall apex, then build NVIDIA apex from source"),
+    ("sharded_rdt_unavailable", _sharded_rdt_on_old_ray, "needs ray>=2.56 (installed: 2.40.0) and nixl (not "
+                                                         "installed); fix: pip install 'rlmega[sharded_rdt]'"),
+    ("sharded_rdt_unavailable", _sharded_rdt_without_nixl, "needs nixl (not installed); fix: pip install "
+                                                           "'rlmega[sharded_rdt]'"),
 ]
 
 
@@ -133,7 +147,8 @@ def test_gpu_only_packages_are_fine_with_a_gpu():
     report["cuda"].update(available=True, built_with="12.8", device_count=1, devices=["H200"])
     report["cpu_platform"]["redirects_apply"] = False
     report["cpu_platform"].update(megatron_core_checked=False, refusal="unchecked")  # GPU: irrelevant
-    for package, version in (("transformer-engine", "2.11.0"), ("vllm", "0.33.0"), ("sglang", "0.5.23")):
+    for package, version in (("transformer-engine", "2.11.0"), ("vllm", "0.33.0"), ("sglang", "0.5.23"),
+                             ("ray", "2.60.0"), ("nixl", "1.5.1")):
         report["packages"][package]["version"] = version
     report["packages"]["apex"]["version"] = "0.1"
     report["apex"] = {"installed": True, "nvidia": True}

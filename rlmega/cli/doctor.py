@@ -20,6 +20,7 @@ import sys
 from typing import Callable, Dict, List, Optional, Tuple
 
 import rlmega
+from rlmega.sync import sharded_rdt_needs
 
 HELP = "check Python, dependencies and GPUs; name the fix for every known-bad setup"
 
@@ -66,6 +67,7 @@ DEPENDENCIES = (
     Dependency("apex", required=False),
     Dependency("vllm", required=False),
     Dependency("sglang", required=False),
+    Dependency(sharded_rdt_needs.NIXL, required=False),
     Dependency("mbridge", required=False),
     Dependency("hypothesis", required=False),
     Dependency("pytest", required=False),
@@ -189,6 +191,10 @@ def _gpu_only_without_cuda(package: str) -> Callable[[dict], bool]:
     return lambda report: _version(report, package) is not None and not report["cuda"]["available"]
 
 
+def _sharded_rdt_missing(report: dict) -> str:
+    return " and ".join(sharded_rdt_needs.missing(lambda name: _version(report, name)))
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """A known-bad combination: when ``applies(report)``, doctor prints ``message``.
@@ -271,6 +277,12 @@ RULES = (
         "refuses to start); fix: pip install 'sglang>=0.5.23,<0.5.24'",
     ),
     Rule(
+        "sharded_rdt_unavailable",
+        lambda r: _version(r, "vllm") is not None and bool(_sharded_rdt_missing(r)),
+        "vllm {vllm} is installed, but sync.transport=sharded_rdt also needs {sharded_rdt_missing}; "
+        f"fix: {sharded_rdt_needs.INSTALL}",
+    ),
+    Rule(
         "unrelated_apex",
         lambda r: r["apex"]["installed"] and not r["apex"]["nvidia"],
         "the installed apex has neither apex.optimizers nor apex.normalization: it is the unrelated "
@@ -287,6 +299,7 @@ def find_problems(report: dict) -> Dict[str, str]:
         python=report["python"]["version"],
         cuda=report["cuda"]["built_with"] or "?",
         cpu_platform_refusal=(report["cpu_platform"] or {}).get("refusal") or "?",
+        sharded_rdt_missing=_sharded_rdt_missing(report) or "?",
     )
     return {rule.name: rule.message.format_map(fields) for rule in RULES if rule.applies(report)}
 

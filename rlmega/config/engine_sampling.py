@@ -5,7 +5,9 @@ raises one in (0, 0.01) to 0.01 (``__post_init__``, ``_MAX_TEMP``), while the tr
 configured temperature. Its log-probs (``logprobs_mode="processed_logprobs"``, vllm/v1/sample/sampler.py) are taken
 after top-k / top-p, renormalised over the tokens kept; the trainer and SGLang use the full distribution. With
 ``algorithm.rollout_correction.bypass_mode`` the engine's log-probs are the old policy's, so the truncation would
-bias every ratio: refused. Otherwise it only widens the mismatch the metrics report (``mismatch/truncated_logprobs``).
+bias every ratio: refused. Otherwise it only widens the mismatch the metrics report (``mismatch/truncated_logprobs``),
+except at ``top_k=1`` with a temperature above 0: the kept distribution is one token, every log-prob exactly 0.0,
+refused (vllm/v1/sample/sampler.py, ``Sampler.sample``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ def sampling_problems(config: RLConfig) -> list[tuple[str, str]]:
                 problems.append((f"rollout.{field}", f"vLLM raises temperatures below {VLLM_MIN_TEMPERATURE:g} to "
                                  f"{VLLM_MIN_TEMPERATURE:g}, so it would sample at another temperature than the trainer "
                                  f"scores at ({value}); use 0 (greedy) or at least {VLLM_MIN_TEMPERATURE:g}"))
+    if rollout.backend == "vllm" and rollout.top_k == 1 and rollout.temperature > 0:
+        problems.append(("rollout.top_k", f"top_k=1 at temperature {rollout.temperature} with vLLM samples the argmax "
+                         "and reports the log-prob of a one-token distribution, exactly 0.0 on every token, which no "
+                         "mismatch metric can tell from agreement; set rollout.temperature=0 for greedy sampling, or "
+                         "rollout.top_k=null"))
     if truncates_engine_logprobs(config) and config.algorithm.rollout_correction.bypass_mode:
         problems.append(("algorithm.rollout_correction.bypass_mode",
                          f"vLLM's log-probs under rollout.top_k={rollout.top_k} / rollout.top_p={rollout.top_p} are of "

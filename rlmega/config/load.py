@@ -30,6 +30,7 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
+from rlmega.config.engine_layout import layout_problems
 from rlmega.config.engine_sampling import sampling_problems, sampling_warnings
 from rlmega.config.explain import explain, extra_keys, no_such_field
 from rlmega.config.schema import RLConfig
@@ -152,7 +153,7 @@ def check_settings(config: RLConfig) -> None:
              "must be in (0, 1], or null for rollout.top_p")
     _require(rollout.val_top_k is None or rollout.val_top_k >= 0, "rollout.val_top_k",
              "must be >= 0 (0: no top-k), or null for rollout.top_k")
-    for field, problem in sampling_problems(config):
+    for field, problem in sampling_problems(config) + layout_problems(config):
         raise ConfigError(f"{field}: {problem}")
     for note in sampling_warnings(config):
         warnings.warn(note, stacklevel=2)

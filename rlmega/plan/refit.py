@@ -26,6 +26,8 @@ from rlmega.plan.meta_build import StageCoordinates
 from rlmega.plan.sliced_refit import SlicedRefit, predict_sliced
 
 GB = 1e9
+# Host memory copy bandwidth, measured (memcpy of large buffers, design.md "Facts about these machines").
+HOST_COPY_GB_PER_S = 12.8
 
 
 @dataclasses.dataclass
@@ -177,8 +179,16 @@ def _funnel(config, layout, positions: list[dict], preset) -> Refit:
             legs.append(Leg(f"rank 0 -> {len(engines)} engine(s) on its node", streamed * len(engines),
                             "NVLink / CUDA IPC", nvlink))
         spans = any(spans_nodes(gpus, gpn) for gpus in engines)
-        legs.append(Leg("engine driver -> its other GPUs (collective_rpc)", streamed,
-                        "InfiniBand" if spans else "NVLink", ib_per_gpu if spans else nvlink))
+        workers = config.rollout.tensor_parallel_size
+        if config.rollout.backend == "vllm" and workers > 1:
+            # vLLM's collective_rpc pickles its arguments into host shared memory that every worker reads and
+            # copies to its GPU (vllm/distributed/device_communicators/shm_broadcast.py): the whole bucket stream
+            # passes host memory once per worker. sync.transport=broadcast writes into every worker over NCCL.
+            legs.append(Leg(f"engine driver -> its {workers} workers through host memory (vLLM collective_rpc; "
+                            "broadcast avoids it)", streamed * workers, "host memcpy, measured", HOST_COPY_GB_PER_S))
+        else:
+            legs.append(Leg("engine driver -> its other GPUs (collective_rpc)", streamed,
+                            "InfiniBand" if spans else "NVLink", ib_per_gpu if spans else nvlink))
     return Refit(transport=transport, requested=config.sync.transport, bytes_per_sync=streamed, totals=totals, senders=senders,
                  engine_gpu_receives=streamed, legs=legs)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import json
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from rlmega.rollout.weight_updates import UpdateSteps, WeightBook, WeightUpdates
 from rlmega.data.schema import ImageInputs
 
 DEFAULT_BUCKET_BYTES = 256 * 1024**2
+# How long a weight update waits for the engine to drop its prefix cache (it refuses while requests hold KV).
+PREFIX_CACHE_TIMEOUT_S = 60.0
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
@@ -428,8 +431,9 @@ class EngineAdapter(UpdateSteps, ABC):
         """Close the session ``_engine_open_update`` opened, at the commit of ``version``."""
 
     @abstractmethod
-    def _engine_drop_prefix_cache(self) -> None:
-        """Drop cached KV: it was computed with the old weights."""
+    def _engine_drop_prefix_cache(self) -> bool:
+        """Drop cached KV: it was computed with the old weights. False: the engine kept it (requests still hold
+        KV blocks), so the caller tries again."""
 
     @abstractmethod
     def _engine_sleep(self, level: int) -> None:
@@ -508,7 +512,24 @@ class EngineAdapter(UpdateSteps, ABC):
             self._engine_close_update(version)
             self._update_open = False
         if "kv_cache" not in self._asleep_tags:
-            self._engine_drop_prefix_cache()
+            self._drop_prefix_cache(version)
+
+    def _drop_prefix_cache(self, version: int) -> None:
+        """Both engines refuse to drop their prefix cache while requests hold KV blocks (and say so only in their
+        return value); the next requests would then reuse KV computed with the old weights, silently. So the drop
+        is tried until the engine is idle, for ``PREFIX_CACHE_TIMEOUT_S``; if it never succeeds the version is
+        marked torn (``generate`` refuses) and the update fails naming the engine."""
+        deadline, wait = time.monotonic() + PREFIX_CACHE_TIMEOUT_S, 0.01
+        while not self._engine_drop_prefix_cache():
+            if time.monotonic() >= deadline:
+                self._book.torn_version = version
+                raise RuntimeError(
+                    f"the {self.engine_name} engine of {self.model_path} kept its prefix cache after the update to "
+                    f"weight version {version} for {PREFIX_CACHE_TIMEOUT_S:g} s (requests still held KV blocks), so "
+                    "its next generations would reuse KV of the old weights; it refuses to generate until an update "
+                    "completes: update it again once its requests have finished")
+            time.sleep(wait)
+            wait = min(2 * wait, 1.0)
 
     # ------------------------------------------------------------------ weights, disaggregated
 

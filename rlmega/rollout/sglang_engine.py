@@ -260,8 +260,10 @@ def _update_from_distributed(engine, metas: list[WeightMeta], group_name: str) -
              "update_weights_from_distributed")
 
 
-def _flush_cache(engine) -> None:
-    engine.flush_cache()  # the radix cache holds KV computed with the old weights
+def _flush_cache(engine) -> bool:
+    # The radix cache holds KV computed with the old weights. The scheduler refuses while requests are queued or
+    # running (sglang/srt/managers/scheduler.py, Scheduler.flush_cache) and says so only in the result.
+    return bool(engine.flush_cache().success)
 
 
 def _release(engine, tags: list[str]) -> None:
@@ -356,8 +358,8 @@ class SGLangEngine(EngineAdapter):
     def _engine_leave_group(self, group_name: str) -> None:
         self._loop.run(_destroy_group, self.engine, group_name)
 
-    def _engine_drop_prefix_cache(self) -> None:
-        self._loop.run(_flush_cache, self.engine)
+    def _engine_drop_prefix_cache(self) -> bool:
+        return self._loop.run(_flush_cache, self.engine)
 
     def _engine_sleep(self, level: int) -> None:
         """``release_memory_occupation`` of both; the weights survive only in the CPU backup, if enabled."""

@@ -56,6 +56,9 @@ SUPPORTED_VERSIONS = ((0, 33), (0, 35))
 # run the layerwise reload around rlmega's loads), "sharded_rdt" for rlmega.sync.vllm_sharded.
 WEIGHT_TRANSFERS = ("nccl", "sharded_rdt")
 WORKER_EXTENSION = "rlmega.rollout.vllm_engine.VLLMWorkerExtension"
+# Taken when the caller sets no gpu_memory_utilization: 0.33's own default. 0.34's is 1.0 (all of the GPU: its
+# extensible KV cache, vllm/config/cache.py), which leaves nothing to a trainer colocated on the same GPUs.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
 
 
 # ---------------------------------------------------------------------------------------------- vLLM 0.33 API
@@ -252,8 +255,10 @@ def _destroy_group(llm, group_name: str) -> None:
     llm.collective_rpc("rlmega_destroy_weight_group", args=(group_name,))
 
 
-def _drop_prefix_cache(llm) -> None:
-    llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+def _drop_prefix_cache(llm) -> bool:
+    # Cached KV blocks were computed with the old weights. False while a request holds blocks
+    # (vllm/v1/core/block_pool.py, reset_prefix_cache); reset_running_requests=True would preempt them instead.
+    return llm.reset_prefix_cache()
 
 
 def _sleep(llm, level: int) -> None:
@@ -298,7 +303,8 @@ class VLLMEngine(EngineAdapter):
 
     ``model`` is a local Hugging Face checkpoint directory (safetensors): its headers give the weight
     names and shapes that ``update_weights`` checks before anything reaches vLLM. ``engine_kwargs`` go
-    to ``vllm.LLM`` (``tensor_parallel_size``, ``gpu_memory_utilization``, ``dtype``, ``seed``, ...);
+    to ``vllm.LLM`` (``tensor_parallel_size``, ``gpu_memory_utilization`` (default
+    ``DEFAULT_GPU_MEMORY_UTILIZATION``, on 0.34 too), ``dtype``, ``seed``, ...);
     the settings in ``_engine_settings`` are the adapter's and may not be changed.
     ``in_process=True`` runs vLLM's engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
     ``record_routing=True`` (a MoE checkpoint only: a dense one raises ``ValueError`` here) makes every
@@ -323,6 +329,7 @@ class VLLMEngine(EngineAdapter):
         self.weight_transfer = weight_transfer
         super().__init__(model, bucket_bytes=bucket_bytes, engine_version=self._vllm.__version__,
                          record_routing=record_routing)
+        engine_kwargs.setdefault("gpu_memory_utilization", DEFAULT_GPU_MEMORY_UTILIZATION)
         engine_kwargs = adapter_settings("VLLMEngine", engine_kwargs, _engine_settings(
             record_routing, weight_transfer, multimodal=self.facts.image_token_id is not None))
         self._workers = math.prod(int(engine_kwargs.get(key) or 1) for key in (
@@ -380,8 +387,8 @@ class VLLMEngine(EngineAdapter):
     def _engine_leave_group(self, group_name: str) -> None:
         _destroy_group(self.llm, group_name)
 
-    def _engine_drop_prefix_cache(self) -> None:
-        _drop_prefix_cache(self.llm)
+    def _engine_drop_prefix_cache(self) -> bool:
+        return _drop_prefix_cache(self.llm)
 
     def _engine_sleep(self, level: int) -> None:
         """``LLM.sleep(level)``: level 1 offloads the weights to host memory and drops the KV cache; level 2

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from rlmega.bridge.pieces import piece_layout
 from rlmega.models.spec import ModelSpec
 from rlmega.rollout.vllm_weight_source import megatron_weight_source
+from rlmega.sync import sharded_rdt_needs
 from rlmega.sync.errors import TransportError
 from rlmega.sync.config import SHARDED_RDT
 from rlmega.sync.transports import DEFAULT_TIMEOUT_S, in_thread
@@ -114,6 +115,7 @@ class ShardedSync:
 
     def __init__(self, chunks: list, spec: ModelSpec, engines: Optional[Sequence], *,
                  timeout_s: float = DEFAULT_TIMEOUT_S, **settings):
+        sharded_rdt_needs.require()  # vLLM itself checks Ray only at the first pull, and nixl not at all
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.sharded_rdt_trainer import ShardedRDTTrainerInitInfo
 

@@ -83,3 +83,18 @@ def checked(api: dict, qualified: str):
 def load_multimodal(package: str) -> dict:
     """``api/<package>_multimodal.json``: how images travel with a token prompt (``fakes/multimodal_snapshot.py``)."""
     return json.loads((API_DIR / f"{package}_multimodal.json").read_text())
+
+
+@functools.cache
+def _rules() -> dict:
+    return json.loads((API_DIR / "rules.json").read_text())
+
+
+def rule(package: str, name: str) -> dict:
+    """``api/rules.json``: one validation rule of ``package``'s pinned releases, as read from the wheel (``where``)."""
+    return _rules()[package][name]
+
+
+def refusal(package: str, name: str, **fields) -> str:
+    """The message a rule's wheel raises, with ``fields`` filled in."""
+    return rule(package, name)["message"].format(**fields)

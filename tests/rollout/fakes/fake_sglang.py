@@ -45,6 +45,7 @@ from __future__ import annotations
 import functools
 import asyncio
 import base64
+import dataclasses
 import itertools
 import json
 import os
@@ -66,6 +67,12 @@ RAW_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"  # sglang/srt/layers/sampler.
 api_snapshot.check_env(API, RAW_LOGPROB_ENV)
 
 checked = functools.partial(api_snapshot.checked, API)
+
+
+@dataclasses.dataclass(kw_only=True)
+class FlushCacheReqOutput:  # sglang/srt/managers/io_struct.py:1859-1861
+    success: bool
+    message: str = ""
 
 
 def _eos_ids(model_path: str) -> set[int]:
@@ -132,6 +139,13 @@ class Engine:
         self._backup: list[torch.Tensor] = []
         self._groups: dict = {}
         self._session = False  # a begin_weight_update / end_weight_update session is open
+        self.busy_flushes = 0  # flush_cache calls that will find requests in the scheduler
+
+    def _single_replica(self, what: str) -> None:
+        """``api/rules.json`` data_parallel_weight_update: the update entry points assert dp_size == 1 (the engine
+        starts with more, and fails at the first weight update)."""
+        if self.server_args.get("dp_size", 1) > 1:
+            raise AssertionError(api_snapshot.refusal("sglang", "data_parallel_weight_update", what=what))
 
     def _run(self, coroutine):
         return self.loop.run_until_complete(coroutine)  # fails if another thread is running the loop
@@ -277,6 +291,7 @@ class Engine:
 
     @checked("Engine.update_weights_from_tensor")
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        self._single_replica("update weights from tensor")
         self.calls.append(("update_weights_from_tensor", [name for name, _ in named_tensors], load_format,
                            flush_cache))
         if not self._session:
@@ -289,6 +304,7 @@ class Engine:
     @checked("Engine.init_weights_update_group")
     def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
                                   backend="nccl"):
+        self._single_replica("update weights from distributed")
         self.calls.append(("init_weights_update_group", master_address, master_port, rank_offset, world_size,
                            group_name, backend))
         self._groups[group_name] = init_weight_update_group(master_address, master_port, rank_offset + 0, world_size,
@@ -297,6 +313,7 @@ class Engine:
 
     @checked("Engine.destroy_weights_update_group")
     def destroy_weights_update_group(self, group_name):
+        self._single_replica("destroy parameter update group")
         self.calls.append(("destroy_weights_update_group", group_name))
         if group_name not in self._groups:
             return self._run(self._now((False, "The group to be destroyed does not exist.")))
@@ -306,6 +323,7 @@ class Engine:
     @checked("Engine.update_weights_from_distributed")
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
                                         flush_cache=True, load_format=None):
+        self._single_replica("update weights from distributed")
         self.calls.append(("update_weights_from_distributed", names, dtypes, shapes, group_name, flush_cache))
         if not self._session:
             return self._run(self._now(self._outside_session("update_weights_from_distributed")))
@@ -319,8 +337,15 @@ class Engine:
 
     @checked("Engine.flush_cache")
     def flush_cache(self):
+        """``api/rules.json`` flush_cache_while_busy: refused (success False, the cache kept) while requests are
+        queued or running (``busy_flushes``: how many more calls find them; a test sets it)."""
         self.calls.append(("flush_cache",))
-        return self._run(self._now(True))
+        if self.busy_flushes:
+            self.busy_flushes -= 1
+            message = api_snapshot.refusal("sglang", "flush_cache_while_busy", queued=0, running=1)
+            return self._run(self._now(FlushCacheReqOutput(success=False, message=message)))
+        self.model.prefix_cache.clear()
+        return self._run(self._now(FlushCacheReqOutput(success=True)))
 
     @checked("Engine.release_memory_occupation")
     def release_memory_occupation(self, tags=None):
@@ -333,6 +358,8 @@ class Engine:
             self._backup = [p.data.clone() for p in params] if self.server_args.get("enable_weights_cpu_backup") else []
             for p in params:
                 p.data.fill_(float("nan"))
+        if "kv_cache" in tags:
+            self.model.prefix_cache.clear()
         self._released.update(tags)
         self._run(self._now(None))
 

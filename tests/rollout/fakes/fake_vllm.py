@@ -151,9 +151,16 @@ class LLM:
     @checked("LLM.__init__")
     def __init__(self, model: str, *, tokenizer: Optional[str] = None, skip_tokenizer_init: bool = False,
                  tensor_parallel_size: int = 1, dtype: str = "auto", seed: Optional[int] = None,
-                 gpu_memory_utilization: float = 0.92, enforce_eager: bool = False,
+                 gpu_memory_utilization: Optional[float] = None, enforce_eager: bool = False,
                  enable_return_routed_experts: bool = False, **kwargs: Any) -> None:
         api_snapshot.check_fields(API, "EngineArgs", kwargs)  # the rest go to EngineArgs
+        dp = int(kwargs.get("data_parallel_size", 1))
+        if dp > 1 and kwargs.get("distributed_executor_backend") != "external_launcher":
+            raise ValueError(api_snapshot.refusal("vllm", "single_process_data_parallel", dp=dp))
+        # api/rules.json default_gpu_memory_utilization: what the release takes when none is given (0.34: all of it).
+        self.gpu_memory_utilization = gpu_memory_utilization or api_snapshot.rule(
+            "vllm", "default_gpu_memory_utilization")[__version__]
+        self.max_model_len = kwargs.get("max_model_len") or self._config_length(model)
         if kwargs.get("logprobs_mode", "raw_logprobs") not in API["constants"]["LogprobsMode"]:
             raise ValueError(f"logprobs_mode {kwargs['logprobs_mode']!r} not in {API['constants']['LogprobsMode']}")
         if kwargs.get("weight_transfer_config") is not None:
@@ -198,6 +205,7 @@ class LLM:
             module, _, name = kwargs["worker_extension_cls"].rpartition(".")
             worker_class = type("Worker", (FakeWorker, getattr(importlib.import_module(module), name)), {})
         self.worker = worker_class(self.model)
+        self.busy_resets = 0  # reset_prefix_cache calls that will find requests holding KV blocks
         self._asleep: dict[str, int] = {}  # tag -> sleep level
         self._offloaded: list[torch.Tensor] = []
         self._updating = False
@@ -220,12 +228,15 @@ class LLM:
             if not 0 <= params.routed_experts_prompt_start <= len(prompt["prompt_token_ids"]):
                 raise ValueError("routed_experts_prompt_start must be between 0 and the prompt length "
                                  f"({len(prompt['prompt_token_ids'])}), inclusive.")
+            self._check_length(prompt["prompt_token_ids"])
+            # The scheduler ends a request at max_model_len tokens ("length"), whatever max_tokens asked for.
+            max_tokens = min(params.max_tokens, self.max_model_len - len(prompt["prompt_token_ids"]))
             stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self._generation_eos)
             completions = []
             for index in range(params.n):  # vllm/v1/engine/parallel_sampling.py: child seeds are seed + index
                 seed = None if params.seed is None else params.seed + index
                 tokens, logprobs, reason = self.model.decode(
-                    prompt["prompt_token_ids"], max_tokens=params.max_tokens, stop_ids=stop_ids,
+                    prompt["prompt_token_ids"], max_tokens=max_tokens, stop_ids=stop_ids,
                     temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed,
                     logprobs_of=logprobs_of)
                 completions.append(CompletionOutput(
@@ -235,6 +246,17 @@ class LLM:
                     finish_reason=reason, stop_reason=tokens[-1] if reason == "stop" else None))
             results.append(RequestOutput(str(request_id), None, prompt["prompt_token_ids"], None, completions, True))
         return results
+
+    @staticmethod
+    def _config_length(model: str) -> int:
+        config = json.loads((Path(model) / "config.json").read_text())
+        return int(config.get("max_position_embeddings", 2048))
+
+    def _check_length(self, prompt_token_ids: list[int]) -> None:
+        """``api/rules.json`` prompt_longer_than_max_model_len."""
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(api_snapshot.refusal("vllm", "prompt_longer_than_max_model_len",
+                                                  length=len(prompt_token_ids), max_model_len=self.max_model_len))
 
     def _process(self, prompt: dict) -> Optional[dict]:
         """A ``TokensPrompt``'s multi-modal data, as vLLM 0.33 turns it into model inputs (see the docstring)."""
@@ -361,7 +383,13 @@ class LLM:
 
     @checked("LLM.reset_prefix_cache")
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """``api/rules.json`` reset_prefix_cache_in_use: False while requests hold KV blocks (``busy_resets``:
+        how many more calls find them; a test sets it), the cache kept."""
         self.calls.append(("reset_prefix_cache",))
+        if self.busy_resets and not reset_running_requests:
+            self.busy_resets -= 1
+            return api_snapshot.rule("vllm", "reset_prefix_cache_in_use")["returns"]
+        self.model.prefix_cache.clear()
         return True
 
     @checked("LLM.sleep")

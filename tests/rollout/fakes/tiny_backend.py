@@ -2,7 +2,7 @@
 
 It reproduces the engine behaviour the adapters depend on, which each fake configures: which tokens
 stop a request, that the stop tokens are tested before the length limit (and an abort before both), and
-which distribution the returned log-probs are taken from. Greedy picks the argmax (lowest id on ties),
+which distribution the returned log-probs are taken from, and a prefix cache that serves stale KV until dropped. Greedy picks the argmax (lowest id on ties),
 like both engines. ``routed_experts`` is what both engines' capturers hold for a sequence.
 """
 
@@ -26,6 +26,9 @@ class TinyCausalLM:
                                                           attn_implementation="eager").eval().requires_grad_(False)
         self.weight_map = HFWeightMap(self.model)
         self.loaded: list[str] = []  # every name load_weights received, in order
+        # The engines' prefix cache, coarsely: a greedy request whose prompt was seen is answered from the KV of
+        # that time (here: its result), whatever the weights are now, until the engine drops the cache.
+        self.prefix_cache: dict[tuple, tuple[list[int], list[float], str]] = {}
 
     @torch.no_grad()
     def load_weights(self, weights) -> None:
@@ -78,6 +81,10 @@ class TinyCausalLM:
         token drawn as the last allowed token is "stop": vLLM 0.33 tests the stop tokens first
         (vllm/v1/core/sched/utils.py:98-119, check_stop), SGLang 0.5.23 too
         (sglang/srt/managers/schedule_batch.py:2038-2043, update_finish_state)."""
+        key = (tuple(prompt), max_tokens, frozenset(stop_ids), temperature, logprobs_of)
+        greedy = temperature == 0 or top_k == 1
+        if greedy and key in self.prefix_cache:
+            return self.prefix_cache[key]  # its KV was computed with the weights of that time
         generator = torch.Generator()
         if seed is None:
             generator.seed()
@@ -88,8 +95,10 @@ class TinyCausalLM:
         while True:
             logits = self.model(torch.tensor([prompt + tokens])).logits[0, -1].float()
             source = logits
-            if temperature == 0 or top_k == 1:
+            if greedy:
                 token = int(logits.argmax())
+                if temperature > 0 and logprobs_of == "processed":  # every other token masked: log-prob 0.0
+                    source = torch.full_like(logits, float("-inf")).index_fill_(0, torch.tensor([token]), 0.0)
             else:
                 scaled = logits / temperature
                 if 0 < top_k < scaled.numel():
@@ -107,7 +116,8 @@ class TinyCausalLM:
             logprobs.append(float(torch.log_softmax(source, dim=-1)[token]))
             if aborted():
                 return tokens, logprobs, "abort"
-            if token in stop_ids:
-                return tokens, logprobs, "stop"
-            if len(tokens) >= max_tokens:
-                return tokens, logprobs, "length"
+            reason = "stop" if token in stop_ids else "length" if len(tokens) >= max_tokens else None
+            if reason is not None:
+                if greedy:
+                    self.prefix_cache[key] = tokens, logprobs, reason
+                return tokens, logprobs, reason
