@@ -89,16 +89,22 @@ def test_engine_fields_reach_each_backend_by_its_own_names(run_dir):
               "rollout.tensor_parallel_size=2", "rollout.data_parallel_size=2", "rollout.expert_parallel_size=4",
               "rollout.gpu_memory_utilization=0.7", "rollout.max_num_batched_tokens=8192",
               "+rollout.engine_kwargs.enforce_eager=true"]
-    vllm = load_config("tiny_cpu", [*common, "rollout.backend=vllm"]).rollout.engine_arguments()
+    # The names, unchecked: an engine's data parallelism is refused at load (vLLM and SGLang cannot run it in one
+    # process; rlmega runs separate engines instead), but each backend still has its own name for it.
+    vllm = load_config("tiny_cpu", [*common, "rollout.backend=vllm"], check=False).rollout.engine_arguments()
     assert vllm == {"gpu_memory_utilization": 0.7, "tensor_parallel_size": 2, "data_parallel_size": 2,
                     "max_num_batched_tokens": 8192, "enable_expert_parallel": True, "enforce_eager": True}
-    sglang = load_config("tiny_cpu", [*common, "rollout.backend=sglang"]).rollout.engine_arguments()
+    with pytest.raises(ConfigError, match="rollout.data_parallel_size: vLLM refuses .* rollout.num_engines=2"):
+        load_config("tiny_cpu", [*common, "rollout.backend=vllm"])
+    sglang = load_config("tiny_cpu", [*common, "rollout.backend=sglang"], check=False).rollout.engine_arguments()
     assert sglang == {"mem_fraction_static": 0.7, "tp_size": 2, "dp_size": 2, "ep_size": 4,
                       "max_prefill_tokens": 8192, "enforce_eager": True}
     with pytest.raises(ConfigError, match="rollout.engine_kwargs.tp_size: set rollout.tensor_parallel_size instead"):
-        load_config("tiny_cpu", [*common, "rollout.backend=sglang", "+rollout.engine_kwargs.tp_size=2"])
+        load_config("tiny_cpu", [*common, "rollout.backend=sglang", "rollout.data_parallel_size=1",
+                                 "rollout.gpus_per_engine=2", "+rollout.engine_kwargs.tp_size=2"])
     with pytest.raises(ConfigError, match="needs that many GPUs, got 2"):
-        load_config("tiny_cpu", [*common, "rollout.backend=vllm", "rollout.gpus_per_engine=2"])
+        load_config("tiny_cpu", [*common, "rollout.backend=vllm", "rollout.data_parallel_size=1",
+                                 "rollout.gpus_per_engine=2", "rollout.tensor_parallel_size=4"])
 
 
 @pytest.mark.parametrize("overrides, atol", [
