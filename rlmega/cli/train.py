@@ -47,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
 
     overrides = args.overrides
     if args.from_verl:
-        overrides = _from_verl(args.from_verl, overrides) + args.rlmega_overrides
+        translated = _from_verl(args.from_verl, overrides)
+        overrides = translated + _searched_layout(args.config, translated, args.rlmega_overrides) + args.rlmega_overrides
     elif args.rlmega_overrides:
         raise ConfigError("--set is for rlmega overrides next to --from-verl; without it, give them as arguments")
     if args.overwrite:
@@ -87,3 +88,41 @@ def _from_verl(path: str, verl_overrides: list[str]) -> list[str]:
         print(f"verl settings rlmega takes differently ({len(translation.changed)}):\n"
               f"{report_table(translation.changed)}", file=sys.stderr)
     return translation.overrides
+
+
+LAYOUT_DEGREES = ("layout.tp=", "layout.pp=")
+
+
+def _searched_layout(base: str, translated: list[str], rlmega_overrides: list[str]) -> list[str]:
+    """A verl config without a Megatron layout (an FSDP run) gets the one ``rlmega plan --search`` ranks first
+    for its job, with the report of the choice on stderr; a layout given with --set, or a model whose
+    config.json cannot be read, leaves the degrees as they are (said on stderr)."""
+    import sys
+    from pathlib import Path
+
+    from rlmega.config import load_config
+    from rlmega.errors import UserError
+    from rlmega.plan.search import render_search, search
+
+    if any(item.startswith(LAYOUT_DEGREES) for item in translated + rlmega_overrides):
+        return []
+    config = load_config(base, translated + rlmega_overrides, check=False)
+    path = Path(config.model.path)
+    if not (path / "config.json" if path.is_dir() else path).is_file():
+        print(f"layout: the verl config sets no Megatron layout and {path}/config.json cannot be read, so "
+              f"rlmega cannot search one; layout.tp={config.layout.tp} layout.pp={config.layout.pp} stay "
+              "(choose them with --set layout.tp=... layout.pp=...; rlmega plan checks the memory)", file=sys.stderr)
+        return []
+    try:
+        result = search(config, base, top=2)
+    except UserError as error:
+        print(f"layout: the layout search failed ({error}); the degrees stay as they are", file=sys.stderr)
+        return []
+    if result.best is None:
+        print(f"{render_search(result)}\nlayout: no layout the search planned fits this job on "
+              f"{config.layout.world_size} {config.plan.gpu}; the degrees stay as they are", file=sys.stderr)
+        return []
+    print(f"layout: the verl config sets no Megatron layout (FSDP); rlmega plan --search chose "
+          f"{result.best.candidate.describe()} for {config.layout.world_size} {config.plan.gpu}:\n"
+          f"{render_search(result)}", file=sys.stderr)
+    return result.best.overrides

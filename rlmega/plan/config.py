@@ -13,12 +13,17 @@ class GpuPreset:
     """Total memory as ``nvidia-smi`` reports it (MiB / 1024)."""
     nvlink_gb_per_s: float
     """NVLink bandwidth of one GPU in one direction (half the bidirectional figure NVIDIA quotes)."""
+    bf16_tflops: float = 989.0
+    """Dense bf16 tensor-core peak (TFLOP/s), for the layout search's cost model only."""
+    hbm_tb_per_s: float = 3.35
+    """Memory bandwidth (TB/s), for the layout search's cost model only (decoding reads the weights)."""
 
 
 GPU_PRESETS = {
     "H100": GpuPreset(memory_gib=81559 / 1024, nvlink_gb_per_s=450.0),   # H100 SXM5 80 GB, NVLink 4
-    "H200": GpuPreset(memory_gib=143771 / 1024, nvlink_gb_per_s=450.0),  # H200 SXM 141 GB, NVLink 4
-    "B200": GpuPreset(memory_gib=183359 / 1024, nvlink_gb_per_s=900.0),  # B200 180 GB, NVLink 5
+    "H200": GpuPreset(memory_gib=143771 / 1024, nvlink_gb_per_s=450.0, hbm_tb_per_s=4.8),  # H200 SXM 141 GB
+    "B200": GpuPreset(memory_gib=183359 / 1024, nvlink_gb_per_s=900.0, bf16_tflops=2250.0,  # B200 180 GB, NVLink 5
+                      hbm_tb_per_s=8.0),
 }
 
 
@@ -60,4 +65,5 @@ class PlanConfig:
         if memory is None or nvlink is None:
             raise ValueError(f"plan.gpu={self.gpu!r} is not a preset ({', '.join(GPU_PRESETS)}); "
                              "set plan.gpu_memory_gib and plan.nvlink_gb_per_s for it")
-        return GpuPreset(memory_gib=memory, nvlink_gb_per_s=nvlink)
+        speeds = dict(bf16_tflops=base.bf16_tflops, hbm_tb_per_s=base.hbm_tb_per_s) if base else {}
+        return GpuPreset(memory_gib=memory, nvlink_gb_per_s=nvlink, **speeds)

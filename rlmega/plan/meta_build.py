@@ -66,7 +66,7 @@ def measure_in_subprocess(request: BuildRequest, timeout_s: float = 600.0) -> di
     return result
 
 
-def _build_config(config):
+def build_config(config):
     """The worker config as a GPU run resolves it (bf16, the distributed optimizer with NCCL), with
     the settings that change no tensor and need CUDA or transformer-engine to build left out
     (recomputation, activation offload): the planner accounts for those with its formulas."""
@@ -235,7 +235,7 @@ def _build_on_meta(spec, layout, config) -> list:
     from rlmega.workers.model import build_model
 
     with torch.device("meta"), simulated_gpu(meta=True):
-        chunks, _ = build_model(spec, layout, _build_config(config))
+        chunks, _ = build_model(spec, layout, build_config(config))
     return chunks
 
 
@@ -285,7 +285,7 @@ def _measure_optimizer(chunks, config) -> dict:
     from rlmega.workers.model import build_optimizer
     from rlmega.workers.optimizer_state import sub_optimizers
 
-    built = _build_config(config)
+    built = build_config(config)
     model = {storage_key(param) for chunk in chunks for param in torch.nn.Module.parameters(chunk)}
     for _, buffer in _ddp_buffers(chunks):
         model |= {storage_key(tensor) for tensor in (buffer.param_data, buffer.grad_data) if tensor is not None}

@@ -176,7 +176,7 @@ def _role_memory(role: dict) -> tuple[RoleMemory, int]:
                       role["param_numel"]), role["optimizer_index"]
 
 
-def _tokens(config, layout) -> tuple[int, int]:
+def microbatch_tokens(config, layout) -> tuple[int, int]:
     """(tokens of one micro-batch on one rank, micro-batches per mini-batch) when every sequence has
     its full length (prompt and response)."""
     batching = config.actor.batching
@@ -194,7 +194,7 @@ def _hf_config(path: str) -> dict:
     return json.loads((path / "config.json" if path.is_dir() else path).read_text())
 
 
-def _engine(config, shape, preset) -> Engine:
+def engine_plan(config, shape, preset) -> Engine:
     rollout = config.rollout
     tp, dp = rollout.tensor_parallel_size, rollout.data_parallel_size
     # vLLM's expert parallelism spans the engine's TP x DP ranks; each rank's weights as vLLM lays them out
@@ -281,7 +281,7 @@ def _position(run: _Run, raw: dict) -> Position:
         terms=terms, host_terms=host)
 
 
-def _resolve(config):
+def resolve_run(config):
     """(GPU preset, ModelSpec, ParallelLayout) of the run; a PlanError names the field that cannot work."""
     from rlmega.models import UnsupportedModelError, model_spec_from_hf
     from rlmega.parallel.layout import LayoutError
@@ -299,18 +299,19 @@ def _resolve(config):
     return preset, spec, layout
 
 
-def make_plan(config, config_name: str = "") -> Plan:
+def make_plan(config, config_name: str = "", measure=measure_in_subprocess) -> Plan:
     """The plan of the run ``config`` describes (an ``RLConfig`` loaded without data checks, its choices
-    checked: ``rlmega.config.load.check_choices``)."""
+    checked: ``rlmega.config.load.check_choices``). ``measure`` builds the ranks (``meta_build``); the layout
+    search passes one that reuses builds that candidates share."""
     from rlmega.models import padded_vocab_size
 
-    preset, spec, layout = _resolve(config)
+    preset, spec, layout = resolve_run(config)
     roles = _roles(config)
-    measured = measure_in_subprocess(BuildRequest(spec, layout, roles))["positions"]
+    measured = measure(BuildRequest(spec, layout, roles))["positions"]
     shape = formulas.Shape.of(spec)
-    tokens, microbatches = _tokens(config, layout)
+    tokens, microbatches = microbatch_tokens(config, layout)
     refit = plan_refit(config, layout, measured, preset, spec, _hf_config(config.model.path))
-    engine = _engine(config, shape, preset)
+    engine = engine_plan(config, shape, preset)
     run = _Run(config=config, roles=roles, layout=layout, shape=shape, tokens=tokens, microbatches=microbatches,
                engine=engine, padded_vocab=padded_vocab_size(spec.vocab_size, layout.tp),
                sequence_parallel=config.actor.uses_sequence_parallel(layout.tp, moe=spec.num_experts is not None,

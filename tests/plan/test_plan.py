@@ -22,7 +22,7 @@ def _repository_root(monkeypatch):
 
 
 def test_there_is_a_recipe_per_model():
-    assert [Path(r).parent.name for r in RECIPES] == ["deepseek_v3_671b", "qwen3_235b_a22b", "qwen3_30b_a3b", "qwen3_8b"]
+    assert [Path(r).parent.name for r in RECIPES] == ["deepseek_v3_671b", "qwen2_5_32b", "qwen3_235b_a22b", "qwen3_30b_a3b", "qwen3_8b"]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -194,3 +194,36 @@ def test_the_command_line_shows_the_report_and_refuses_everything_at_once(recipe
     assert any(line.startswith("| `actor_rollout_ref.model.lora_rank` | `8` | refused |") for line in lines)
     assert lines[-1] == ("rlmega train: 2 verl settings cannot cross over (the table above says why): "
                          "actor_rollout_ref.model.lora_rank, trainer.device; change or remove them and run again")
+
+
+def test_the_script_on_32_h100_lands_on_the_recipe_with_the_searched_layout(recipe, capsys, monkeypatch):
+    """The FSDP script names no Megatron layout: --from-verl runs the layout search and reports the choice."""
+    root = recipe.parents[2]
+    monkeypatch.chdir(root)
+    changed = {"actor_rollout_ref.model.path": "configs/recipes/qwen2_5_32b/hf", "trainer.nnodes": "4",
+               "trainer.n_gpus_per_node": "8"}
+    script = [f"{key}={changed[key]}" if key in changed else f"{key}={value}"
+              for key, value in (override.split("=", 1) for override in published_without_npu())]
+    assert main(["train", "--from-verl", str(recipe), *script, "--print-config"]) == 0
+    captured = capsys.readouterr()
+    assert "rlmega plan --search chose tp2 pp4 cp4 dp1 for 32 H100" in captured.err
+    assert "lowest predicted step time" in captured.err
+    import yaml
+    printed = yaml.safe_load(captured.out)
+    shipped = load_config("configs/recipes/qwen2_5_32b/dapo.yaml", check=False)
+    for section, names in (("layout", ("world_size", "tp", "pp", "cp", "vpp", "ep")),
+                           ("rollout", ("n", "max_new_tokens", "tensor_parallel_size", "num_engines", "top_p")),
+                           ("trainer", ("prompts_per_step",)), ("algorithm", ("max_generation_rounds",
+                                                                             "overlong_buffer_length"))):
+        for name in names:
+            assert printed[section][name] == getattr(getattr(shipped, section), name), f"{section}.{name}"
+    actor = printed["actor"]
+    assert actor["recompute_granularity"] is None and actor["optimizer"]["cpu_offload_fraction"] == 0.5
+    assert actor["batching"]["max_tokens_per_microbatch"] == shipped.actor.batching.max_tokens_per_microbatch
+    assert actor["policy_loss"]["clip_ratio_high"] == shipped.actor.policy_loss.clip_ratio_high == 0.28
+
+
+def test_a_script_whose_model_cannot_be_read_keeps_the_degrees_and_says_so(recipe, capsys):
+    assert main(["train", "--from-verl", str(recipe), *published_without_npu(), "--print-config"]) == 0
+    err = capsys.readouterr().err
+    assert "/home/user/verl/models/Qwen2.5-32B/config.json cannot be read" in err and "layout.tp=2 layout.pp=1 stay" in err  # tiny_cpu's
