@@ -125,4 +125,27 @@ def _searched_layout(base: str, translated: list[str], rlmega_overrides: list[st
     print(f"layout: the verl config sets no Megatron layout (FSDP); rlmega plan --search chose "
           f"{result.best.candidate.describe()} for {config.layout.world_size} {config.plan.gpu}:\n"
           f"{render_search(result)}", file=sys.stderr)
+    replaced = _replaced_by_search(translated, result.best.overrides)
+    if replaced:
+        from rlmega.config.verl_report import report_table
+
+        print(f"translated settings the layout search replaced ({len(replaced)}):\n{report_table(replaced)}",
+              file=sys.stderr)
     return result.best.overrides
+
+
+def _replaced_by_search(translated: list[str], searched: list[str]) -> list:
+    """Report rows for the translated settings whose value the searched layout's overrides change (a verl
+    script's Ulysses degree or engine TP, say): the report of a translation names every setting taken
+    differently."""
+    from rlmega.config.verl_report import ReportRow
+
+    given = dict(item.split("=", 1) for item in translated if "=" in item)
+    rows = []
+    for item in searched:
+        key, value = item.split("=", 1)
+        if key in given and given[key] != value:
+            rows.append(ReportRow(key=key, value=given[key], rlmega=f"`{key}={value}`",
+                                  why="the layout rlmega plan --search ranks first for this job on these GPUs "
+                                      "(the translation's value is the verl run's, for FSDP)"))
+    return rows

@@ -208,6 +208,10 @@ def test_the_script_on_32_h100_lands_on_the_recipe_with_the_searched_layout(reci
     captured = capsys.readouterr()
     assert "rlmega plan --search chose tp2 pp4 cp4 dp1 for 32 H100" in captured.err
     assert "lowest predicted step time" in captured.err
+    # The script's own Ulysses degree and engine TP, replaced by the search, are rows of the report too.
+    replaced = captured.err.split("translated settings the layout search replaced")[1]
+    assert "| `layout.cp` | `8` | `layout.cp=4` |" in replaced
+    assert "| `rollout.tensor_parallel_size` | `4` | `rollout.tensor_parallel_size=8` |" in replaced
     import yaml
     printed = yaml.safe_load(captured.out)
     shipped = load_config("configs/recipes/qwen2_5_32b/dapo.yaml", check=False)
