@@ -46,11 +46,8 @@ def test_every_layout_reported_fits_and_every_rejected_one_does_not(tmp_path):
         assert not plan.shortfalls and plan.layout == outcome.plan.layout
     for outcome in result.rejected:
         assert outcome.reason
-    # Those the memory bound dropped without a build do not fit either (the cheapest few of each kind).
-    samples = {}
+    # Every one the memory bound dropped without a build does not fit either, by the planner.
     for candidate in result.bounded:
-        samples.setdefault((candidate.recompute, candidate.offload), candidate)
-    for candidate in list(samples.values())[:4]:
         plan = make_plan(apply(config, candidate), measure=measure)
         assert plan.shortfalls, candidate.describe()
 
