@@ -37,13 +37,13 @@ def test_a_gpu_takes_its_slowest_direction_and_link_plus_its_messages():
 
 @pytest.mark.parametrize("recipe, limit", [(DEEPSEEK, 2.5), (QWEN3_235B, 1.5)])
 def test_the_recipes_sliced_target_refits_in_seconds(recipe, limit):
-    """DeepSeek-V3 on 256 H100 and Qwen3-235B-A22B on 64: every rank sends what it owns to the engine ranks that
+    """DeepSeek-V3 on 256 H100 and Qwen3-235B-A22B on 64 H200: every rank sends what it owns to the engine ranks that
     hold it, against 26.8 s and 9.4 s through rank 0."""
     plan = make_plan(load_config(recipe, check=False), recipe)
     target = plan.refit.target
     assert target is not None and plan.refit.sliced is None and plan.refit.legs
     assert target.seconds <= limit < plan.refit.seconds_overlapped
-    assert target.slowest.bound == "network out" and target.link_bytes["network"] > 0
+    assert target.slowest.bound in ("network out", "network in") and target.link_bytes["network"] > 0
     assert target.plan_seconds < 20
 
 

@@ -22,7 +22,7 @@ from rlmega.bridge import load_hf_weights
 from rlmega.models import build_chunks, model_spec_from_hf
 from rlmega.parallel.layout import ParallelLayout, destroy, initialize
 from rlmega.parallel.spawn import run_on_ranks
-from rlmega.sync import SyncConfig
+from rlmega.sync import SyncConfig, sharded_rdt_needs
 from rlmega.sync.errors import TransportError
 
 from .fakes import fake_vllm_weight_transfer, one_thread
@@ -31,6 +31,13 @@ TIMEOUT_S = 240
 TRANSFER_CALLS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
 
 
+
+def _the_fake_stands_in_for_nixl() -> None:
+    """The fake weight transfer moves the tensors itself: what sharded_rdt needs beyond vLLM (Ray's direct
+    transport over nixl, ``rlmega.sync.sharded_rdt_needs``) is not needed here (its own test is
+    tests/sync/test_sharded_rdt_needs.py)."""
+    sharded_rdt_needs.require = lambda: None
+
 def _engine_state(engine) -> dict:
     return {name: tensor.clone() for name, tensor in engine.llm.worker.model_runner.model.model.state_dict().items()}
 
@@ -38,6 +45,7 @@ def _engine_state(engine) -> dict:
 def _sync_on_rank(rank, world_size, layout, hf_dir, other_dir, folder, replicas, through_trainer):
     os.environ["RLMEGA_FAKE_RDT_DIR"] = folder
     sys.modules.update(fake_vllm_weight_transfer.modules())
+    _the_fake_stands_in_for_nixl()
     from rlmega.rollout.vllm_engine import VLLMEngine
     from rlmega.sync.vllm_sharded import ShardedSync
     from rlmega.trainer.training_group import RankProcess
@@ -121,6 +129,7 @@ def test_two_syncs_bring_the_trained_weights_into_every_engine(layout_name, repl
 def vllm(monkeypatch):
     for name, module in fake_vllm_weight_transfer.modules().items():
         monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(sharded_rdt_needs, "require", lambda: None)  # as _the_fake_stands_in_for_nixl
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     with one_thread():
         yield

@@ -89,7 +89,7 @@ NEW_OPTION = textwrap.dedent("""
 
     POLICY_LOSS_CONFIGS["soft_ppo"] = SoftPPOLossConfig
 
-    from rlmega.config.verl_table import VERL_POLICY_LOSSES
+    from rlmega.config.verl_rules import VERL_POLICY_LOSSES
     from rlmega.workers.config import PolicyLossConfig
 
     section = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PolicyLossConfig),
