@@ -87,9 +87,8 @@ class GatheredTransport:
         return SyncStats(version=version, seconds=time.perf_counter() - started, transport=self.name, **totals)
 
     def close(self) -> None:
-        release = getattr(self.buckets, "release", None)  # a kept region or group, if the transport holds one
-        if release is not None:
-            release()
+        if self.buckets is not None:  # None on the ranks that hold no engine
+            self.buckets.release()  # a kept region or group, if the transport holds one
 
 
 class WeightSync:
