@@ -3,11 +3,17 @@ transfer plan, every training rank sending what it owns to the engine ranks that
 
     python benchmarks/refit_plan.py                       # the four recipes under configs/recipes
     python benchmarks/refit_plan.py configs/recipes/qwen3_8b/grpo.yaml sync.transport=sharded_rdt
+    python benchmarks/refit_plan.py --emulate             # the sliced transport run on CPU, bytes per link vs plan
 
 For each recipe, in one run: the transport's predicted refit (``rlmega.plan.refit``), the sliced plan's bytes per
 link kind, its slowest GPU and what bounds it, its predicted seconds (``rlmega.plan.sliced_refit``), the time to
 make the transfer plan (``rlmega.bridge.layout_pieces`` + ``rlmega.sync.transfer_plan``, summed), and the whole
-``make_plan``. Predictions only: what a transport measures against the plan comes with the transport.
+``make_plan``.
+
+``--emulate`` runs the ``sliced`` transport for real on this machine (``rlmega.sync.sliced_emulation``, gloo): 8
+training ranks of a small random Qwen3-MoE (TP2 x PP2 x EP2) feed 4 engine-rank processes (two engines of TP2, every
+expert split in two, colocated on nodes of two GPUs), and prints per link kind the bytes the ranks sent and received
+against the plan's, whether every engine rank ends bit-identical to the checkpoint, and the update's wall time.
 """
 
 from __future__ import annotations
@@ -51,8 +57,44 @@ def main(argv: list[str]) -> None:
                     f"{elapsed:.1f}"], widths))
 
 
+def emulate() -> None:
+    import tempfile
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from rlmega.parallel.layout import ParallelLayout
+    from rlmega.rollout.engine_bytes import EngineLayout
+    from rlmega.sync.sliced_emulation import Emulation, emulate as run
+    from rlmega.sync.transfer_plan import LINKS
+
+    with tempfile.TemporaryDirectory() as directory:
+        torch.manual_seed(0)
+        config = Qwen3MoeConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                num_attention_heads=8, num_key_value_heads=4, head_dim=32, num_experts=8,
+                                num_experts_per_tok=2, moe_intermediate_size=128, max_position_embeddings=128)
+        AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+        emulation = Emulation(directory, ParallelLayout(tp=2, pp=2, ep=2, world_size=8),
+                              EngineLayout(tensor_parallel_size=2, dtype_bytes=4), num_engines=2, gpus_per_node=2,
+                              colocated=True, bucket_bytes=4 * 1024**2, updates=2, timeout_s=600)
+        report = run(emulation)
+        checkpoint = load_file(next(Path(directory).glob("*.safetensors")))
+        traffic = report.plan.traffic
+        print(f"{'link':<10}{'plan sent':>14}{'measured sent':>16}{'plan received':>16}{'measured received':>20}")
+        for update in range(emulation.updates):
+            sent, received = report.measured(update)
+            for index, link in enumerate(LINKS):
+                print(f"{link:<10}{traffic.sent_bytes[:, index].sum():>14,}{sent[:, index].sum():>16,}"
+                      f"{traffic.received_bytes[:, index].sum():>16,}{received[:, index].sum():>20,}")
+            same = (sent == traffic.sent_bytes).all() and (received == traffic.received_bytes).all()
+            wrong = report.mismatches(update, checkpoint)
+            print(f"update {update + 1}: every rank's bytes per link equal the plan's: {bool(same)}; engine ranks "
+                  f"bit-identical: {not wrong}; {report.seconds[update]:.2f} s, {traffic.total_bytes / 1e6:.1f} MB")
+
+
 if __name__ == "__main__":
     import os
 
     os.chdir(ROOT)  # the recipes name their config.json relative to the checkout
-    main(sys.argv[1:])
+    emulate() if sys.argv[1:] == ["--emulate"] else main(sys.argv[1:])

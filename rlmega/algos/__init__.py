@@ -76,6 +76,7 @@ from rlmega.algos.rollout_correction import (
     RolloutCorrection,
     RolloutCorrectionConfig,
     compute_rollout_correction,
+    correct_against_current_policy,
     rollout_mismatch_metrics,
 )
 from rlmega.algos.value_loss import clipped_value_loss
@@ -129,6 +130,7 @@ __all__ = [
     "compute_remax_outcome_advantages",
     "compute_rollout_correction",
     "compute_rloo_outcome_advantages",
+    "correct_against_current_policy",
     "count_loss_denominators",
     "dual_clip_policy_loss",
     "dynamic_sampling_filter",

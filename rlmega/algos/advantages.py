@@ -20,7 +20,7 @@ valid tokens (verl returns the advantages a second time instead; nothing critic-
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -68,17 +68,23 @@ def place_scores_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor
     return zero_masked(as_float(scores).unsqueeze(-1).expand(mask.shape), at_last)
 
 
-def _reverse_discounted_scan(token_values: torch.Tensor, mask: torch.Tensor, discount: float) -> torch.Tensor:
+def _reverse_discounted_scan(
+    token_values: torch.Tensor, mask: torch.Tensor, discount: float, restart: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """``y_t = x_t + discount * y_next`` right to left, where ``next`` is the next *valid* token.
 
     Masked positions output 0 and pass the running value through unchanged, so padding and holes
-    neither contribute nor break the chain. ``token_values`` must already be 0 on masked tokens.
+    neither contribute nor break the chain; at a ``restart`` position (bool ``[B, T]``) the running
+    value starts again from 0, so the tokens before it see nothing from it onwards. ``token_values``
+    must already be 0 on masked tokens.
     """
     running = torch.zeros_like(token_values[:, 0])
     outputs = torch.zeros_like(token_values)
     for t in reversed(range(token_values.shape[-1])):
         candidate = token_values[:, t] + discount * running
         running = torch.where(mask[:, t], candidate, running)
+        if restart is not None:
+            running = torch.where(restart[:, t], 0.0, running)
         outputs[:, t] = zero_masked(candidate, mask[:, t])
     return outputs
 
@@ -216,7 +222,11 @@ def compute_rloo_outcome_advantages(
 
 @torch.no_grad()
 def compute_reinforce_plus_plus_advantages(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, *, gamma: float = 1.0
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    gamma: float = 1.0,
+    restart_mask: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025, arXiv:2501.03262).
 
@@ -226,13 +236,21 @@ def compute_reinforce_plus_plus_advantages(
     Args:
         token_level_rewards, response_mask: ``[B, T]`` (rewards typically include the per-token KL
             penalty). gamma: discount.
+        restart_mask: ``[B, T]`` masked positions at which ``G`` restarts from 0 (their rewards and
+            everything after them are lost to the tokens before), as verl's return does at every
+            masked position; the trainer passes the tokens the rollout correction rejected. None:
+            holes are skipped.
 
     Returns:
         ``(advantages [B, T], returns [B, T])`` with returns = ``G`` before whitening.
     """
     check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
     mask = check_response_mask(response_mask)
-    returns = _reverse_discounted_scan(zero_masked(token_level_rewards, mask), mask, gamma)
+    restart = None
+    if restart_mask is not None:
+        check_same_shape(token_level_rewards=token_level_rewards, restart_mask=restart_mask)
+        restart = check_response_mask(restart_mask) & ~mask
+    returns = _reverse_discounted_scan(zero_masked(token_level_rewards, mask), mask, gamma, restart)
     return masked_whiten(returns, mask), returns
 
 
@@ -257,21 +275,26 @@ def compute_reinforce_plus_plus_baseline_advantages(
 
 @torch.no_grad()
 def compute_remax_outcome_advantages(
-    scores: torch.Tensor, baseline_scores: torch.Tensor, response_mask: torch.Tensor
+    token_level_rewards: torch.Tensor, baseline_scores: torch.Tensor, response_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax (Li et al. 2024, arXiv:2310.10505): the baseline is the score of the greedy response.
 
-        A_i = s_i - s_i^greedy        broadcast over valid tokens
+        G_t = sum_{u >= t, u valid} r_u       (the undiscounted reward-to-go)
+        A_t = G_t - s_i^greedy                on the valid tokens of row i
 
-    Shapes: scores ``[B]``, baseline_scores ``[B]`` (score of the greedy decode of the same prompt),
-    response_mask ``[B, T]``; returns ``(advantages [B, T], returns [B, T])`` with returns the
-    broadcast scores.
+    With only an outcome score at the last token ``G_t`` is the score on every token; with a KL
+    penalty in the reward each token carries the penalties from itself onwards, as in verl.
+
+    Shapes: token_level_rewards ``[B, T]``, baseline_scores ``[B]`` (score of the greedy decode of the
+    same prompt), response_mask ``[B, T]``; returns ``(advantages [B, T], returns [B, T])`` with
+    returns ``G``.
     """
-    check_sequence_values("scores", scores, response_mask)
+    check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
     check_sequence_values("baseline_scores", baseline_scores, response_mask)
     mask = check_response_mask(response_mask)
-    scores = as_float(scores)
-    return broadcast_to_tokens(scores - as_float(baseline_scores), mask), broadcast_to_tokens(scores, mask)
+    reward_to_go = zero_masked(as_float(token_level_rewards), mask).flip(-1).cumsum(dim=-1).flip(-1)
+    returns = zero_masked(reward_to_go, mask)
+    return zero_masked(reward_to_go - as_float(baseline_scores).unsqueeze(-1), mask), returns
 
 
 @torch.no_grad()

@@ -27,11 +27,12 @@ class DynamicSamplingResult(NamedTuple):
 
 
 def dynamic_sampling_filter(group_ids: GroupIds, metric: torch.Tensor) -> DynamicSamplingResult:
-    """DAPO dynamic sampling: keep only prompt groups whose metric is not constant.
+    """DAPO dynamic sampling: keep only prompt groups whose metric is not constant, and groups of one.
 
     A group whose samples all have the same metric (e.g. accuracy all 0 or all 1) has zero
-    variance, hence zero GRPO advantage and no gradient; it only dilutes the batch. Groups of size
-    1 are constant by definition and are dropped. "Not constant" is tested exactly (max > min), so
+    variance, hence zero GRPO advantage and no gradient; it only dilutes the batch. A group of one
+    sample is kept, as verl keeps it (``std > 0 or len == 1``; rlmega's trainer never forms one, as
+    dynamic sampling needs ``rollout.n`` > 1). "Not constant" is tested exactly (max > min), so
     rounding cannot turn a constant group into a kept one.
 
     The function is pure. The trainer is expected to loop: generate a batch, filter, append the
@@ -54,7 +55,9 @@ def dynamic_sampling_filter(group_ids: GroupIds, metric: torch.Tensor) -> Dynami
     group_min = torch.full((num_groups,), torch.inf, dtype=metric.dtype, device=metric.device)
     group_max = group_max.scatter_reduce(0, index, metric, reduce="amax")
     group_min = group_min.scatter_reduce(0, index, metric, reduce="amin")
-    kept_groups = group_max > group_min
+    group_sizes = torch.zeros(num_groups, dtype=torch.long, device=metric.device).index_add_(
+        0, index, torch.ones_like(index))
+    kept_groups = (group_max > group_min) | (group_sizes == 1)
     keep_mask = kept_groups[index]
     num_kept_groups = int(kept_groups.sum())
     return DynamicSamplingResult(

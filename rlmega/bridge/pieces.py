@@ -156,25 +156,34 @@ def _owned(chunks: list, spec: ModelSpec) -> Iterator[tuple[_Unit, tuple, Geomet
             yield unit, exported[unit.canonical], geometry
 
 
+def _pieces_of(unit: _Unit, entry: tuple, geometry: Geometry) -> dict[str, torch.Tensor]:
+    """This rank's piece of each of ``unit``'s HF tensors, from its parameter's export entry (any data-parallel
+    replica: a replica holds what the owner at its TP position holds). The vocabulary's rows are exchanged with
+    the other ranks of the entry's TP group, which must convert the same unit in the same order."""
+    param, rule, names, group, tp_rank, tp = entry
+    if unit.pieces[0].split_dim is None:
+        tensors = _whole(param, rule, names, group, tp_rank, tp, geometry)
+    elif rule.transform == VOCAB:
+        tensors = {unit.pieces[0].name: _rechunked_vocab(unit.pieces[0], param, group, tp_rank, tp)}
+    else:  # this rank's own rows: the fused tensor's local query groups
+        local = dataclasses.replace(geometry, num_query_groups=geometry.num_query_groups // tp)
+        tensors = to_hf(rule, param.tensor.detach(), names, local, 1)
+    for piece in unit.pieces:
+        shape = piece.local_shape(tp_rank) if piece.split_dim is not None else piece.shape
+        if tuple(tensors[piece.name].shape) != shape:
+            raise AssertionError(f"{piece.name}: a piece of shape {tuple(tensors[piece.name].shape)}, declared {shape}")
+    return tensors
+
+
 @torch.no_grad()
 def local_pieces(chunks: list, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's piece of each HF tensor it owns, in ``piece_layout`` order.
 
     Every rank iterates to the end: the TP ranks exchange the rows of the vocabulary's chunks."""
-    for unit, (param, rule, names, group, tp_rank, tp), geometry in _owned(chunks, spec):
-        if unit.pieces[0].split_dim is None:
-            tensors = _whole(param, rule, names, group, tp_rank, tp, geometry)
-        elif rule.transform == VOCAB:
-            tensors = {unit.pieces[0].name: _rechunked_vocab(unit.pieces[0], param, group, tp_rank, tp)}
-        else:  # this rank's own rows: the fused tensor's local query groups
-            local = dataclasses.replace(geometry, num_query_groups=geometry.num_query_groups // tp)
-            tensors = to_hf(rule, param.tensor.detach(), names, local, 1)
+    for unit, entry, geometry in _owned(chunks, spec):
+        tensors = _pieces_of(unit, entry, geometry)
         for piece in unit.pieces:
-            tensor, index = tensors[piece.name], piece.owners.index(dist.get_rank())
-            if tuple(tensor.shape) != piece.local_shape(index):
-                raise AssertionError(f"{piece.name}: a piece of shape {tuple(tensor.shape)}, declared "
-                                     f"{piece.local_shape(index)}")
-            yield piece.name, tensor
+            yield piece.name, tensors[piece.name]
 
 
 @torch.no_grad()

@@ -19,8 +19,10 @@ examples:
 every parameter, gradient and optimizer-shard count is read from each distinct rank's real model, built
 under a fake process group of the run's full world size on the meta device (no memory, seconds);
 activations and KV cache are formulas (rlmega/plan/README.md). The hardware is the config's plan: slice
-(plan.gpu H100 / H200 / B200 or plan.gpu_memory_gib, plan.gpus_per_node, link speeds). Exit code 2 when a
-rank does not fit, naming the rank, the phase and the shortfall.
+(plan.gpu H100 / H200 / B200 or plan.gpu_memory_gib, plan.gpus_per_node, link speeds: plan.nvlink_gb_per_s,
+plan.ib_gb_per_s, plan.object_store_gb_per_s, plan.host_copy_gb_per_s, the last an assumption to measure on
+the GPU node: bash tests/gpu/run_gpu_checks.sh --tier cluster --only host-memcpy). Exit code 2 when a rank
+does not fit, naming the rank, the phase and the shortfall.
 
 --search enumerates TP, PP (uneven stages too), VPP, CP, EP, ETP, recomputation, optimizer offload and the
 colocated engines' TP for the config's model, GPUs and job, drops what a memory bound rules out, ranks the

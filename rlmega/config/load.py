@@ -138,7 +138,8 @@ def check_settings(config: RLConfig) -> None:
         config.actor.policy_loss.loss_config()
     except ValueError as error:
         raise ConfigError(f"actor.{error}") from error
-    for key, problem in config.sync.problems(config.rollout.backend, bool(config.rollout.restart_dead_engines)):
+    for key, problem in config.sync.problems(config.rollout.backend, bool(config.rollout.restart_dead_engines),
+                                             config.rollout.gpus_of_one_engine):
         raise ConfigError(f"{key}: {problem}")
     _require(config.rollout.num_engines >= 1, "rollout.num_engines", "must be >= 1")
     _check_devices(config)

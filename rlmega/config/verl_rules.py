@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
 
 from rlmega.algos import POLICY_LOSS_CONFIGS, loss_options
+from rlmega.algos.rollout_correction import ROLLOUT_RS_K1_MODES, ROLLOUT_RS_MODES
 from rlmega.config.verl_setting import SKIP, Refused, Rule
 
 if TYPE_CHECKING:
@@ -215,9 +216,22 @@ SEQUENCE_MEAN_LOSSES = ("gspo", "sapo", "geo_mean")
 """verl averages these per sequence whatever loss_agg_mode says."""
 
 
+CORRECTION = "algorithm.rollout_correction"
+
+
+def _verl_loss_mode(verl: VerlConfig) -> str:
+    """The loss verl trains with: in bypass mode ``loss_type`` picks it (ppo_clip: its vanilla loss; reinforce:
+    its REINFORCE loss) and ``loss_mode`` is not read; otherwise ``loss_mode``."""
+    if verl(f"{CORRECTION}.bypass_mode"):
+        return "vanilla" if verl(f"{CORRECTION}.loss_type") == "ppo_clip" else "reinforce"
+    return verl(f"{A}.policy_loss.loss_mode")
+
+
 def _policy_loss(value: Any, verl: VerlConfig) -> Any:
     if value == "bypass_mode":
         raise Refused("verl picks this loss itself under algorithm.rollout_correction.bypass_mode; set that instead")
+    if verl(f"{CORRECTION}.bypass_mode"):
+        return SKIP  # algorithm.rollout_correction.loss_type picks the loss
     if value not in VERL_POLICY_LOSSES:
         raise Refused(f"not one of the losses rlmega has: {', '.join(VERL_POLICY_LOSSES)}")
     return VERL_POLICY_LOSSES[value][0]
@@ -226,7 +240,7 @@ def _policy_loss(value: Any, verl: VerlConfig) -> Any:
 def _loss_parameter(parameter: str) -> Rule:
     """A loss parameter, set only for a loss that reads it (rlmega refuses parameters a loss does not take)."""
     def rule(value: Any, verl: VerlConfig) -> Any:
-        mode = verl(f"{A}.policy_loss.loss_mode")
+        mode = _verl_loss_mode(verl)
         if parameter not in VERL_POLICY_LOSSES.get(mode, ("", ()))[1]:
             return SKIP
         if parameter in ("clip_ratio_low", "clip_ratio_high"):
@@ -243,7 +257,17 @@ def _clip_ratio(value: Any, verl: VerlConfig) -> Any:
 
 
 def _loss_agg_mode(value: Any, verl: VerlConfig) -> Any:
-    return "seq-mean-token-mean" if verl(f"{A}.policy_loss.loss_mode") in SEQUENCE_MEAN_LOSSES else value
+    return "seq-mean-token-mean" if _verl_loss_mode(verl) in SEQUENCE_MEAN_LOSSES else value
+
+
+def _bypass_loss(value: Any, verl: VerlConfig) -> Any:
+    if not verl(f"{CORRECTION}.bypass_mode"):
+        return SKIP  # only read in bypass mode
+    if value == "ppo_clip":
+        return VERL_LOSS_MODES["vanilla"]
+    if value == "reinforce":
+        return "reinforce"
+    raise Refused("verl's bypass mode takes loss_type ppo_clip or reinforce")
 
 
 def _norm_horizon(value: Any, verl: VerlConfig) -> Any:
@@ -382,17 +406,43 @@ def _rollout_is(value: Any, verl: VerlConfig) -> Any:
     return value
 
 
+RS_STATISTICS_NOT_IN_RLMEGA = ("token_k2", "token_k3", "seq_sum_k2", "seq_sum_k3", "seq_mean_k2", "seq_mean_k3",
+                               "seq_max_k2", "seq_max_k3")
+
+
 def _rollout_rs(value: Any, verl: VerlConfig) -> Any:
-    if value not in (None, "token", "sequence", "geometric"):
-        raise Refused("rlmega rejects on the ratio per token, sequence or geometric mean (token, sequence, geometric, "
-                      "null); verl's k1/k2/k3 rejection statistics are not in rlmega")
+    if isinstance(value, str) and "," in value:
+        raise Refused("rlmega rejects by one criterion; verl's comma-separated chains of rollout_rs options are not in "
+                      "rlmega: keep one of them")
+    if value in RS_STATISTICS_NOT_IN_RLMEGA:
+        raise Refused("verl's k2/k3 divergence statistics are not in rlmega; use token_k1, seq_sum_k1 or seq_mean_k1 "
+                      "(or verl 0.7.0's token, sequence, geometric)")
+    if value is not None and value not in ROLLOUT_RS_MODES:
+        raise Refused(f"not one of verl's rejection options rlmega has: {', '.join(ROLLOUT_RS_MODES)} or null")
     return value
 
 
 def _rs_threshold(value: Any, verl: VerlConfig) -> Any:
-    if value is not None and not isinstance(value, (int, float)):
-        raise Refused("rlmega takes the upper bound as a number and the lower one as rollout_rs_threshold_lower")
-    return value
+    """verl's threshold -> (rlmega's upper bound, its lower bound): a number is the upper bound (the lower one is then
+    rollout_rs_threshold_lower's, by default 1/upper as in both verls); verl's 'lower_upper' string gives both.
+    Without rollout_rs verl does not read it."""
+    if verl(f"{CORRECTION}.rollout_rs") is None:
+        return SKIP, SKIP
+    if value is None or isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value, SKIP
+    if not isinstance(value, str) or "," in value:
+        raise Refused("rlmega rejects by one criterion, so one threshold: a number or 'lower_upper'")
+    lower, _, upper = value.rpartition("_")
+    try:
+        bounds = float(lower) if lower else None, float(upper)
+    except ValueError:
+        raise Refused("a number, or 'lower_upper' with two numbers (e.g. 0.5_2.0)") from None
+    if bounds[0] is None:
+        return bounds[1], SKIP
+    if verl(f"{CORRECTION}.rollout_rs") not in ROLLOUT_RS_K1_MODES:
+        raise Refused("verl reads a 'lower_upper' band only with its k1 options (token_k1, seq_sum_k1, seq_mean_k1); "
+                      "for token, sequence or geometric set rollout_rs_threshold_lower")
+    return bounds[1], bounds[0]
 
 
 def _truncation(value: Any, verl: VerlConfig) -> Any:

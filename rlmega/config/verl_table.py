@@ -11,14 +11,14 @@ from rlmega.config.verl_roles import (ENGINE, FSDP, KERNELS, LOAD_WEIGHT, MEMORY
                                       _fsdp_lora, _megatron, _megatron_lora, _model_overrides, _optimizer, _profiler,
                                       _router_replay)
 from rlmega.config.verl_rules import (A, MODEL, REF, RO, _after_training_steps, _backend, _both, _bucket_bytes,
-                                      _clip_ratio, _critic_only, _critic_warmup, _engine_kwargs, _estimator, _every,
-                                      _expand, _files, _filter_metric, _generation_rounds, _kl_estimator,
-                                      _kl_in_reward_coef, _kl_loss_coef, _loggers, _loss_agg_mode, _loss_parameter,
-                                      _mini_batches, _norm_horizon, _overlong_buffer, _overlong_penalty, _policy_loss,
-                                      _recompute_full, _resume, _reward_manager, _rollout_is, _rollout_rs,
-                                      _rs_threshold, _same, _saved_contents, _temperature, _token_budget, _top_k,
-                                      _trains_critic, _truncation, _unless_null, _user_function, _val_filter,
-                                      _val_temperature, _val_top_k, _world_size)
+                                      _bypass_loss, _clip_ratio, _critic_only, _critic_warmup, _engine_kwargs,
+                                      _estimator, _every, _expand, _files, _filter_metric, _generation_rounds,
+                                      _kl_estimator, _kl_in_reward_coef, _kl_loss_coef, _loggers, _loss_agg_mode,
+                                      _loss_parameter, _mini_batches, _norm_horizon, _overlong_buffer,
+                                      _overlong_penalty, _policy_loss, _recompute_full, _resume, _reward_manager,
+                                      _rollout_is, _rollout_rs, _rs_threshold, _same, _saved_contents, _temperature,
+                                      _token_budget, _top_k, _trains_critic, _truncation, _unless_null, _user_function,
+                                      _val_filter, _val_temperature, _val_top_k, _world_size)
 from rlmega.config.verl_setting import (SKIP, Refused, Setting, VerlTranslationError, mapped, needless, refused,
                                         trained)
 
@@ -438,14 +438,21 @@ VERL_SETTINGS: dict[str, Setting] = {
        for name, value, rule, note in (
            ("rollout_is", None, _rollout_is, "token, sequence or null"),
            ("rollout_is_threshold", 2.0, None, ""),
-           ("rollout_rs", None, _rollout_rs, "token, sequence, geometric or null; verl's *_k1/k2/k3 are refused"),
-           ("rollout_rs_threshold", None, _rs_threshold, "a number (verl's 'lower_upper' strings are refused)"),
-           ("rollout_rs_threshold_lower", None, None, ""),
-           ("rollout_token_veto_threshold", None, None, ""),
+           ("rollout_rs", None, _rollout_rs,
+            "verl 0.7.0's token, sequence, geometric (band on pi_train/pi_rollout) and later verl's token_k1, "
+            "seq_sum_k1, seq_mean_k1 (band on pi_rollout/pi_train) keep their names; k2/k3 statistics and "
+            "comma-separated chains are refused"),
+           ("rollout_rs_threshold_lower", None, None, "verl 0.7.0's lower bound"),
+           ("rollout_token_veto_threshold", None, None, "verl 0.7.0's veto (later verl has none)"),
            ("bypass_mode", False, None, ""))},
-    "algorithm.rollout_correction.loss_type": refused(
-        "rlmega's bypass mode keeps the PPO clipped loss (ppo_clip)", "ppo_clip",
-        accept=lambda value, verl: value == "ppo_clip" or not verl("algorithm.rollout_correction.bypass_mode")),
+    "algorithm.rollout_correction.rollout_rs_threshold": trained(
+        "algorithm.rollout_correction.rollout_rs_threshold", "algorithm.rollout_correction.rollout_rs_threshold_lower",
+        default=None, rule=_rs_threshold,
+        note="a number is the upper bound; later verl's 'lower_upper' string (k1 options) gives both bounds"),
+    "algorithm.rollout_correction.loss_type": trained(
+        "actor.policy_loss.name", default="ppo_clip", rule=_bypass_loss,
+        note="read in bypass mode only, where it picks the loss instead of loss_mode: ppo_clip becomes ppo (verl's "
+             "vanilla), reinforce stays reinforce"),
     "algorithm.rollout_correction.rollout_is_batch_normalize": refused(
         "rlmega does not renormalise IS weights over the batch", False),
     # ------------------------------------------------------------------------------------ trainer

@@ -46,6 +46,11 @@ class PlanConfig:
     object_store_gb_per_s: float = 5.0
     """Ray's object store between two nodes (GB/s), used by the object_store sync transport (an assumption:
     it goes through host memory and TCP)."""
+    host_copy_gb_per_s: float = 12.8
+    """Host memory copy of large buffers on an engine's node (GB/s): vLLM's collective_rpc passes every weight
+    bucket through host shared memory once per worker of a TP > 1 engine. The default is memcpy as measured on a
+    CPU machine, an assumption for a GPU node: measure it there (``bash tests/gpu/run_gpu_checks.sh --tier cluster
+    --only host-memcpy`` prints it) and set it."""
     host_memory_gib: float = 2048.0
     """Host memory of one node (a DGX H100 has 2 TiB)."""
     reserved_gib: float = 4.0

@@ -26,8 +26,6 @@ from rlmega.plan.meta_build import StageCoordinates
 from rlmega.plan.sliced_refit import SlicedRefit, predict_sliced
 
 GB = 1e9
-# Host memory copy bandwidth, measured (memcpy of large buffers, design.md "Facts about these machines").
-HOST_COPY_GB_PER_S = 12.8
 
 
 @dataclasses.dataclass
@@ -181,11 +179,16 @@ def _funnel(config, layout, positions: list[dict], preset) -> Refit:
         spans = any(spans_nodes(gpus, gpn) for gpus in engines)
         workers = config.rollout.tensor_parallel_size
         if config.rollout.backend == "vllm" and workers > 1:
+            if not config.plan.host_copy_gb_per_s > 0:
+                raise UserError(f"plan.host_copy_gb_per_s={config.plan.host_copy_gb_per_s} is not a speed: give the "
+                                "host memory copy speed of the GPU node in GB/s (12.8 unless set; bash "
+                                "tests/gpu/run_gpu_checks.sh --tier cluster --only host-memcpy measures it)")
             # vLLM's collective_rpc pickles its arguments into host shared memory that every worker reads and
             # copies to its GPU (vllm/distributed/device_communicators/shm_broadcast.py): the whole bucket stream
             # passes host memory once per worker. sync.transport=broadcast writes into every worker over NCCL.
             legs.append(Leg(f"engine driver -> its {workers} workers through host memory (vLLM collective_rpc; "
-                            "broadcast avoids it)", streamed * workers, "host memcpy, measured", HOST_COPY_GB_PER_S))
+                            "broadcast avoids it)", streamed * workers, "host memcpy, measured",
+                            config.plan.host_copy_gb_per_s))
         else:
             legs.append(Leg("engine driver -> its other GPUs (collective_rpc)", streamed,
                             "InfiniBand" if spans else "NVLink", ib_per_gpu if spans else nvlink))

@@ -34,7 +34,7 @@ def _device(backend: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
-def _group(store: dist.Store, rank: int, world_size: int, backend: str, timeout_s: float):
+def store_group(store: dist.Store, rank: int, world_size: int, backend: str, timeout_s: float):
     """A process group on ``store`` alone; blocks until every rank has joined (or the timeout)."""
     store = dist.PrefixStore("group", store)
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -110,7 +110,7 @@ class BroadcastTransport(StoreSender):
 
     def _connect(self):
         if self._group is None:
-            joining = in_thread(_group, self._channel.store, 0, self._num_receivers + 1, self.backend, self.timeout_s)
+            joining = in_thread(store_group, self._channel.store, 0, self._num_receivers + 1, self.backend, self.timeout_s)
             self._watch.until(joining.done, "the receivers to join the broadcast group")
             self._group = joining.result()
         return self._group
@@ -150,7 +150,7 @@ class BroadcastReceiver:
             nbytes, metas = payload
             state = kept.state
             if "group" not in state:
-                state["group"] = _group(channel.store, self.rank, self.world_size, self.backend, self.address.timeout_s)
+                state["group"] = store_group(channel.store, self.rank, self.world_size, self.backend, self.address.timeout_s)
             if state.get("buffer") is None or state["buffer"].numel() < nbytes:
                 state["buffer"] = None
                 state["buffer"] = torch.empty(nbytes, dtype=torch.uint8, device=_device(self.backend))

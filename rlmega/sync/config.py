@@ -12,13 +12,15 @@ from typing import Optional
 
 SHARDED_RDT = "sharded_rdt"
 """vLLM's own weight transfer (``rlmega.sync.vllm_sharded``): every training rank serves its slices."""
+SLICED = "sliced"
+"""The transfer plan carried out (``rlmega.sync.sliced``): every training rank sends its blocks to the engine ranks."""
 
 
 def transport_names() -> tuple[str, ...]:
     """Every value ``sync.transport`` takes but ``auto``."""
     from rlmega.sync.registry import TRANSPORTS
 
-    return (*TRANSPORTS, SHARDED_RDT)
+    return (*TRANSPORTS, SHARDED_RDT, SLICED)
 
 
 @dataclasses.dataclass
@@ -28,9 +30,10 @@ class SyncConfig:
     bucket_bytes: int = 64 * 1024**2
     """Bucket size: the export gathers and sends this many bytes at a time."""
     transport: str = "auto"
-    """in_process | object_store | shared_memory | broadcast | auto (by where the engines run), or sharded_rdt:
-    vLLM's own transfer, each engine worker pulling only its slices from every training rank (vLLM engines;
-    needs Ray's NIXL transport; rlmega/sync/README.md)."""
+    """in_process | object_store | shared_memory | broadcast | auto (by where the engines run); sliced: the transfer
+    plan carried out, every training rank sending its own blocks straight to the engines, no gather to rank 0
+    (engines of one GPU each); or sharded_rdt: vLLM's own transfer, each engine worker pulling only its slices from
+    every training rank (vLLM engines; needs Ray's NIXL transport; rlmega/sync/README.md)."""
     timeout_s: float = 600.0
     """Longest wait for one bucket (or the whole sync) before the run stops naming the engine."""
     post_sync_check: bool = True
@@ -48,9 +51,10 @@ class SyncConfig:
         """Whether the sync of ``version`` runs the post-sync check (the run's first sync, ``first_version``, always)."""
         return self.post_sync_check and (version == first_version or version % self.check_every == 0)
 
-    def problems(self, rollout_backend: str, restarts_engines: bool) -> list[tuple[str, str]]:
+    def problems(self, rollout_backend: str, restarts_engines: bool, engine_gpus: int = 1) -> list[tuple[str, str]]:
         """What in this section contradicts the rest of the run, as (key, what to do) pairs: ``rollout_backend`` is
-        ``rollout.backend``, ``restarts_engines`` whether ``rollout.restart_dead_engines`` is on."""
+        ``rollout.backend``, ``restarts_engines`` whether ``rollout.restart_dead_engines`` is on, ``engine_gpus``
+        the GPUs of one engine."""
         found = []
         if self.transport != "auto" and self.transport not in transport_names():
             found.append(("sync.transport", f"{self.transport!r} is not one of auto, "
@@ -62,6 +66,10 @@ class SyncConfig:
             found.append(("rollout.restart_dead_engines",
                           f"sync.transport={SHARDED_RDT} plans its transfers for the engines of the first sync, so a "
                           "restarted engine would get no weights; choose another transport, or set it to 0"))
+        if self.transport == SLICED and engine_gpus > 1:
+            found.append(("sync.transport", f"{SLICED} feeds engines of one GPU each (an engine's own workers do not "
+                                            f"take blocks yet), but one engine has {engine_gpus}: use "
+                                            f"{SHARDED_RDT} for vLLM, or broadcast"))
         if self.bucket_bytes <= 0 or self.timeout_s <= 0:
             found.append(("sync.bucket_bytes / sync.timeout_s", "must be > 0"))
         if self.check_every < 1:

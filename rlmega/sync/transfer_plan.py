@@ -192,10 +192,29 @@ class TransferPlan:
 
     def messages(self) -> Iterator[Message]:
         """Every message, in the transfer's order."""
-        for index, placed in enumerate(self.pieces):
-            for engine, rank, sender, receiver, box in self._routed(index, self._copies(placed), index):
-                yield Message(sender, engine, rank, receiver, placed.piece.name, box,
-                              _numel(box) * self.layout.dtype_bytes, self.placement.link(sender, receiver))
+        for index in range(len(self.pieces)):
+            yield from self.messages_of(index)
+
+    def messages_of(self, index: int) -> Iterator[Message]:
+        """The messages of ``pieces[index]``, in the transfer's order."""
+        placed = self.pieces[index]
+        for engine, rank, sender, receiver, box in self._routed(index, self._copies(placed), index):
+            yield Message(sender, engine, rank, receiver, placed.piece.name, box,
+                          _numel(box) * self.layout.dtype_bytes, self.placement.link(sender, receiver))
+
+    def buckets(self, bucket_bytes: int) -> list[range]:
+        """The pieces in consecutive runs of at most ``bucket_bytes`` (whole tensors at the engine's dtype; a larger
+        tensor alone): what a transport moves at a time, the same runs on every rank."""
+        runs, start, size = [], 0, 0
+        for index, tensor in enumerate(self.tensors):
+            nbytes = tensor.numel * self.layout.dtype_bytes
+            if index > start and size + nbytes > bucket_bytes:
+                runs.append(range(start, index))
+                start, size = index, 0
+            size += nbytes
+        if start < len(self.tensors):
+            runs.append(range(start, len(self.tensors)))
+        return runs
 
     @functools.cached_property
     def traffic(self) -> Traffic:

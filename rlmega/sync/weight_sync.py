@@ -14,19 +14,22 @@ serves is the engine's own record (``weight_version``); ``require_version`` comp
 from __future__ import annotations
 
 import time
-from typing import Iterable, Iterator, Optional, Protocol, Sequence, Union
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Protocol, Sequence, Union
 
 from rlmega.bridge import DEFAULT_BUCKET_BYTES
 from rlmega.bridge.export import export_hf_buckets
 from rlmega.models.spec import ModelSpec
 from rlmega.rollout.protocol import RolloutEngine
 from rlmega.sync.buckets import NamedTensors, nbytes_of
-from rlmega.sync.config import SHARDED_RDT, SyncConfig
+from rlmega.sync.config import SHARDED_RDT, SLICED, SyncConfig
 from rlmega.sync.errors import StaleWeightsError, WeightSyncError
 from rlmega.sync.post_sync_check import PostSyncCheck
 from rlmega.sync.stats import SyncStats
 from rlmega.sync.registry import kept_transport, make_transport
 from rlmega.sync.transports import DEFAULT_TIMEOUT_S, BucketTransport, stream_update
+
+if TYPE_CHECKING:
+    from rlmega.sync.sliced import SlicedSetup
 
 
 class Transport(Protocol):
@@ -102,13 +105,22 @@ class WeightSync:
 
     @classmethod
     def build(cls, config: SyncConfig, chunks: list, spec: ModelSpec, engines: Optional[list], *,
-              atol: float) -> WeightSync:
+              atol: float, sliced: Optional["SlicedSetup"] = None) -> WeightSync:
         """This training rank's weight sync into ``engines`` (on rank 0, the sender; None on the other ranks), with
-        its transport chosen now, once, and the post-sync check at tolerance ``atol``. Collective."""
+        its transport chosen now, once, and the post-sync check at tolerance ``atol``; ``sliced``: where things
+        are, which the ``sliced`` transport plans by. Collective."""
         if config.transport == SHARDED_RDT:
             from rlmega.sync.vllm_sharded import ShardedSync
 
             transport: Transport = ShardedSync(chunks, spec, engines, timeout_s=config.timeout_s)
+        elif config.transport == SLICED:
+            from rlmega.sync.sliced import sliced_transport
+
+            if sliced is None:
+                raise ValueError("sync.transport=sliced needs the run's layout and checkpoint (WeightSync.build's "
+                                 "sliced=SlicedSetup(...))")
+            transport = sliced_transport(chunks, spec, sliced, engines, bucket_bytes=config.bucket_bytes,
+                                         timeout_s=config.timeout_s)
         else:
             buckets = None if engines is None else make_transport(
                 config.transport, engines, bucket_bytes=config.bucket_bytes, timeout_s=config.timeout_s)

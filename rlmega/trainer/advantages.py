@@ -14,6 +14,11 @@ signature asks for, so every estimator of the library is one config value away:
 - ``scores [B]``: each response's outcome, the sum of its token rewards (so the KL in the reward
   reaches outcome estimators too, as in verl: GRPO / RLOO see the penalised return); a response masked whole
   keeps its score, so it still counts in its group's baseline;
+- with ``advantage_mask`` (the rollout correction's mask after rejection,
+  ``algorithm.rollout_correction.reject_before_advantages``): rewards are placed, and the KL in the reward
+  taken, on ``response_mask`` as before, but the estimator runs on ``advantage_mask``, as verl's does once its
+  rejection has narrowed the batch's mask: GAE skips the rejected tokens and their rewards, REINFORCE++
+  restarts its return at them (``restart_mask``), whitening and ReMax's reward-to-go leave them out;
 - ``values`` (gae), ``group_ids`` (group estimators), ``baseline_scores`` (remax's greedy response),
   ``gamma``, ``lam``, ``normalize_by_std`` from ``AlgorithmConfig``.
 """
@@ -41,14 +46,17 @@ def estimator_inputs(name: str) -> set[str]:
 
 def compute_advantages(
     config: AlgorithmConfig, scores: torch.Tensor, response_lengths: list[int], group_ids: list[int], *,
-    response_mask: Optional[list[torch.Tensor]] = None, kl_estimator: str = "k1",
+    response_mask: Optional[list[torch.Tensor]] = None, advantage_mask: Optional[list[torch.Tensor]] = None,
+    kl_estimator: str = "k1",
     old_logp: Optional[list[torch.Tensor]] = None,
     ref_logp: Optional[list[torch.Tensor]] = None, values: Optional[list[torch.Tensor]] = None,
     baseline_scores: Optional[torch.Tensor] = None, turn_rewards: Optional[list[torch.Tensor]] = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, float]]:
     """Per sequence ``[R_i]`` advantages and returns, and metrics (the rewards, the KL in them).
 
-    ``response_mask`` (per sequence ``[R_i]``, nonzero on the tokens that train) defaults to every token.
+    ``response_mask`` (per sequence ``[R_i]``, nonzero on the tokens that train) defaults to every token;
+    ``advantage_mask`` (per sequence ``[R_i]``, within ``response_mask``), the mask the estimator runs on,
+    defaults to ``response_mask``.
     ``turn_rewards`` (per sequence ``[R_i]``) are the parts of ``scores`` that belong at earlier tokens (0 elsewhere);
     where the mask drops such a token its reward joins the rest of the score at the last token."""
     lengths_mask = padding_mask(response_lengths)
@@ -68,8 +76,10 @@ def compute_advantages(
     # A response masked whole (filtered) holds no token reward, but its score still counts in its group.
     masked_whole = lengths_mask.any(dim=-1) & ~mask.any(dim=-1)
     sequence_rewards = token_rewards.sum(dim=-1) + torch.where(masked_whole, scores.to(token_rewards.dtype), 0.0)
+    estimated = mask if advantage_mask is None else padded_field(advantage_mask)[0].ne(0) & mask
     available = {
-        "token_level_rewards": token_rewards, "scores": sequence_rewards, "response_mask": mask,
+        "token_level_rewards": token_rewards, "scores": sequence_rewards, "response_mask": estimated,
+        "restart_mask": None if advantage_mask is None else mask & ~estimated,
         "group_ids": torch.tensor(group_ids), "values": None if values is None else padded_field(values)[0],
         "baseline_scores": baseline_scores, **{name: getattr(config, field) for name, field in CONFIG_INPUTS.items()},
     }
@@ -82,7 +92,7 @@ def compute_advantages(
             raise ValueError(f"advantage estimator {config.adv_estimator!r} needs {name}, which this run does not "
                              "produce (gae needs the critic, remax its greedy baseline)")
     advantages, returns = estimator(**kwargs)
-    trained = advantages[mask] if mask.any() else advantages.new_zeros(1)
+    trained = advantages[estimated] if estimated.any() else advantages.new_zeros(1)
     metrics["critic/advantages/mean"] = float(trained.mean())
     metrics["critic/advantages/max"] = float(trained.max())
     metrics["critic/advantages/min"] = float(trained.min())

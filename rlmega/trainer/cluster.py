@@ -9,13 +9,25 @@ placement groups of their own (``start_reward_workers``): they score while the p
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 import math
 import os
 from pathlib import Path
+from typing import Optional
 
 from rlmega.config.schema import RLConfig
 from rlmega.trainer.ray_console import quiet_worker_deaths
+
+# A colocated vLLM engine under sync.transport=sharded_rdt runs on vLLM's Ray executor, whose workers are Ray actors
+# in the placement group the engine runs in: each asks for VLLM_RAY_PER_WORKER_GPUS GPUs (1.0 unless set) of the
+# bundle VLLM_RAY_BUNDLE_INDICES names for its rank (vllm/envs.py:1485-1491 in 0.33, :1567-1573 in 0.34;
+# vllm/v1/executor/ray_executor_v2.py:276-282 and 306-315, RayExecutorV2, the executor "ray" selects;
+# ray_utils.py:112-138 get_bundles_for_indices; a bundle may hold at most one GPU, :340-347). Those bundles are
+# the training ranks', whose GPU the ranks hold: the ranks leave this share of it to the workers placed with them.
+# Ray only books it; memory is shared as the engine's memory share and training's offload say.
+ENGINE_WORKERS_GPU_SHARE = 0.1
 
 _connected_here = False
 """``connect`` initialised Ray in this process (``disconnect`` ends it)."""
@@ -124,6 +136,41 @@ def _wait_ready(group, what: str, timeout_s: float) -> None:
         ) from None
 
 
+@dataclasses.dataclass(frozen=True)
+class RayExecutorShares:
+    """How colocated engines on vLLM's Ray executor share the training bundles with the ranks."""
+
+    rank_gpus: float
+    """What each training rank asks of its bundle's GPU (``cluster.gpus_per_rank`` less the workers' share)."""
+    worker_gpus: float
+    """What each engine worker asks (``VLLM_RAY_PER_WORKER_GPUS``)."""
+    bundles: list[list[int]]
+    """Per engine, the training bundles of its workers in worker-rank order: those of the ranks whose GPUs it runs
+    on (``rlmega.trainer.engine_devices``)."""
+
+    def env(self, engine: int) -> dict[str, str]:
+        """Engine ``engine``'s environment, read by vLLM where it starts its workers."""
+        return {"VLLM_RAY_PER_WORKER_GPUS": f"{self.worker_gpus:g}",
+                "VLLM_RAY_BUNDLE_INDICES": ",".join(str(bundle) for bundle in self.bundles[engine])}
+
+
+def ray_executor_shares(config: RLConfig) -> Optional[RayExecutorShares]:
+    """The shares when the run's engines run on the training ranks' GPUs through vLLM's Ray executor, else None."""
+    from rlmega.rollout.vllm_engine import executor_backend
+    from rlmega.trainer.engine_devices import shares_rank_gpus
+
+    rollout, world = config.rollout, config.layout.world_size
+    transfer = config.sync.engine_arguments().get("weight_transfer", "nccl") if rollout.backend == "vllm" else None
+    size = rollout.gpus_of_one_engine
+    if not (shares_rank_gpus(config) and transfer and executor_backend(transfer) == "ray") or size > world:
+        return None  # (an engine larger than the world is refused when the engines are placed)
+    bundles = [[(engine * size + offset) % world for offset in range(size)] for engine in range(rollout.num_engines)]
+    per_bundle = max(collections.Counter(bundle for ranks in bundles for bundle in ranks).values())
+    gpus = config.cluster.gpus_per_rank
+    worker = round(ENGINE_WORKERS_GPU_SHARE * gpus / per_bundle, 4)
+    return RayExecutorShares(rank_gpus=round(gpus - worker * per_bundle, 4), worker_gpus=worker, bundles=bundles)
+
+
 def start_workers(config: RLConfig, *, with_rollout: bool = True):
     """(TrainingRanks, RolloutGroup or None, placement description) for ``config``, or their twins in this
     process when it runs in one (``cluster.in_process``); on failure, whatever was started is shut down again."""
@@ -141,6 +188,9 @@ def start_workers(config: RLConfig, *, with_rollout: bool = True):
     connect(config)
     training_bundles, engine_bundles = _bundles(config)
     world = config.layout.world_size
+    shares = ray_executor_shares(config)
+    ranks_config = config if shares is None else dataclasses.replace(
+        config, cluster=dataclasses.replace(config.cluster, gpus_per_rank=shares.rank_gpus))
     if config.rollout.placement == "colocated":
         training_pg = engine_pg = placement_group(training_bundles, strategy="PACK")
         _wait_ready(training_pg, "placing training ranks and engines", config.cluster.timeout_s)
@@ -160,7 +210,7 @@ def start_workers(config: RLConfig, *, with_rollout: bool = True):
         rollout = RolloutGroup(config, lambda index: PlacementGroupSchedulingStrategy(
             engine_pg, placement_group_bundle_index=bundle(index)),
             record_routing=config.actor.router_replay == "r3", wait=False,
-            env=(lambda index: places[index].env()) if places else None)
+            env=(lambda index: {**places[index].env(), **(shares.env(index) if shares else {})}) if places else None)
 
     # The engines start while the ranks set up (each takes seconds of imports and loading); engines that run
     # on the ranks' GPUs start once the ranks are placed, when Ray has told each rank its devices.
@@ -171,7 +221,7 @@ def start_workers(config: RLConfig, *, with_rollout: bool = True):
     elif with_rollout:
         start_engines()
     try:
-        training = TrainingRanks.for_policy(config, training_pg, total_steps=config.trainer.total_steps,
+        training = TrainingRanks.for_policy(ranks_config, training_pg, total_steps=config.trainer.total_steps,
                                             placed=placed)
     except BaseException:
         if rollout is not None:

@@ -12,6 +12,7 @@ and a clean stop on SIGTERM (checkpoint, exit code 143). The ``Trainer`` is give
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import time
 from contextlib import contextmanager
@@ -20,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from rlmega.algos.rollout_correction import compute_rollout_correction
+from rlmega.algos.rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
 from rlmega.config.engine_sampling import truncates_engine_logprobs
 from rlmega.config.schema import RLConfig
 from rlmega.trainer.advantages import compute_advantages
@@ -130,9 +131,14 @@ class Trainer:
             correction_fields, correction_metrics = self._corrected_fields(rollouts, old_logp)
             fields.update(correction_fields)
             metrics.update(correction_metrics)
+        correction = config.algorithm.rollout_correction
+        rejected_first = correction.enabled and correction.reject_before_advantages and not correction.bypass_mode
+        if correction.enabled and correction.bypass_mode:  # the loss corrects the current policy against the engine
+            batch = dataclasses.replace(batch, rollout_correction=correction)
         advantages, returns, advantage_metrics = compute_advantages(
             config.algorithm, rollouts.scores, batch.response_lengths, rollouts.group_ids,
             response_mask=rollouts.response_mask, kl_estimator=config.actor.policy_loss.kl_estimator,
+            advantage_mask=fields.get("response_mask") if rejected_first else None,
             old_logp=old_logp, ref_logp=ref_logp, values=values, baseline_scores=rollouts.baseline_scores,
             turn_rewards=rollouts.turn_rewards,
         )
@@ -179,15 +185,19 @@ class Trainer:
                 and config.algorithm.kl_in_reward_coef == 0 and step > config.trainer.critic_warmup)
 
     def _corrected_fields(self, rollouts: Rollouts, old_logp: list[torch.Tensor]) -> tuple[dict, dict[str, float]]:
-        """The loss mask and IS weights from the engine's vs the trainer's log-probs, and the mismatch metrics."""
+        """The loss mask and IS weights from the engine's vs the trainer's log-probs, and the mismatch metrics.
+        In bypass mode the old log-probs are the engine's, and the correction happens inside the loss (against
+        the current policy), so only the metrics are computed here."""
         lengths = rollouts.batch.response_lengths
         loss_mask = rollouts.response_mask or [torch.ones(n) for n in lengths]
+        settings = self.config.algorithm.rollout_correction
+        if settings.bypass_mode:
+            settings = RolloutCorrectionConfig()
         correction = compute_rollout_correction(
-            padded_field(old_logp)[0], padded_field(rollouts.rollout_logp)[0], padded_field(loss_mask)[0],
-            self.config.algorithm.rollout_correction)
+            padded_field(old_logp)[0], padded_field(rollouts.rollout_logp)[0], padded_field(loss_mask)[0], settings)
         unpadded = lambda tensor: [row[:n].float().clone() for row, n in zip(tensor, lengths)]  # noqa: E731
         fields = {}
-        if rollouts.response_mask is not None or self.config.algorithm.rollout_correction.enabled:
+        if rollouts.response_mask is not None or settings.enabled:
             fields["response_mask"] = unpadded(correction.response_mask)
         if correction.is_weights is not None:
             fields["rollout_is_weights"] = unpadded(correction.is_weights)

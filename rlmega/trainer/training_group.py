@@ -36,6 +36,7 @@ class RankProcess:
         self.workers: dict = {}
         self.weight_sync = None
         """The run's weight sync into the engines (``connect_engines``), on the policy's ranks."""
+        self.sliced_setup = None  # where things are, for sync.transport=sliced (set up with the policy)
 
     def address(self) -> tuple[str, int, str, str]:
         """This node's IP, the rendezvous port (rank 0: its process-group store's, bound here; 0 on the
@@ -69,6 +70,10 @@ class RankProcess:
         self._join(master, config.layout, config.cluster.cpus_per_rank if cpus is None else cpus, config)
         self.spec = model_spec_from_hf(config.model.path, mtp=config.model.mtp)
         self.sync_config, self.post_sync_atol = config.sync, config.post_sync_atol()
+        from rlmega.sync.sliced import SlicedSetup
+
+        self.sliced_setup = SlicedSetup(self.layout, config.model.path, config.rollout.placement == "colocated",
+                                        config.plan.gpus_per_node)
         roles = {"actor": config.actor}
         if config.needs_reference:
             roles["ref"] = config.ref
@@ -184,7 +189,7 @@ class RankProcess:
         from rlmega.sync import WeightSync
 
         return WeightSync.build(self.sync_config, self.workers["actor"].chunks, self.spec,
-                                engines if self.rank == 0 else None, atol=self.post_sync_atol)
+                                engines if self.rank == 0 else None, atol=self.post_sync_atol, sliced=self.sliced_setup)
 
     # ---- the job's state ------------------------------------------------------------------
 

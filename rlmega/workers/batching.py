@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from rlmega.algos.rollout_correction import RolloutCorrectionConfig
 from rlmega.data.schema import ImageInputs
 from rlmega.models.attention_mask import block_causal_mask
 from rlmega.workers.packed import portable
@@ -46,6 +47,9 @@ class SequenceBatch:
     token through the model's M MoE layers; None: the routers choose."""
     images: Optional[list[Optional[ImageInputs]]] = None
     """A vision-language model's inputs: per sequence its images (None: text only); None: no sequence has any."""
+    rollout_correction: Optional[RolloutCorrectionConfig] = None
+    """Bypass mode (``algorithm.rollout_correction.bypass_mode``): the correction the policy loss applies on
+    each micro-batch, the current policy against ``old_logp`` (there the engine's log-probs); None: none."""
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -82,7 +86,7 @@ class SequenceBatch:
         # Sent to every rank on every step: each list crosses as one tensor (rlmega.workers.packed).
         return (_rebuild_batch, (portable(self.tokens), self.prompt_lengths,
                                  {name: portable(values) for name, values in self.fields.items()}, self.temperature,
-                                 portable(self.routing), self.images))
+                                 portable(self.routing), self.images, self.rollout_correction))
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -101,7 +105,7 @@ class SequenceBatch:
             [self.tokens[i] for i in indices], [self.prompt_lengths[i] for i in indices],
             {name: [values[i] for i in indices] for name, values in self.fields.items()}, self.temperature,
             None if self.routing is None else [self.routing[i] for i in indices],
-            None if self.images is None else [self.images[i] for i in indices],
+            None if self.images is None else [self.images[i] for i in indices], self.rollout_correction,
         )
 
     def with_fields(self, **fields: list[torch.Tensor]) -> "SequenceBatch":
@@ -113,8 +117,8 @@ class SequenceBatch:
         return self.temperature if self.temperature > 0 else 1.0
 
 
-def _rebuild_batch(tokens, prompt_lengths, fields, temperature, routing, images) -> SequenceBatch:
-    return SequenceBatch(tokens, prompt_lengths, fields, temperature, routing, images)
+def _rebuild_batch(tokens, prompt_lengths, fields, temperature, routing, images, rollout_correction) -> SequenceBatch:
+    return SequenceBatch(tokens, prompt_lengths, fields, temperature, routing, images, rollout_correction)
 
 
 def reading_at(batch: SequenceBatch, positions: list[int]) -> SequenceBatch:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from rlmega.algos import LossDenominators, PolicyLossContext, clipped_value_loss, entropy_bonus, kl_loss
+from rlmega.algos import (LossDenominators, PolicyLossContext, RatioLossConfig, clipped_value_loss,
+                          correct_against_current_policy, entropy_bonus, kl_loss)
 from rlmega.algos._utils import masked_mean
 from rlmega.models.spec import padded_vocab_size
 from rlmega.workers.batching import MicroBatch, SequenceBatch, padded_field, padding_mask, split_padded
@@ -106,8 +107,14 @@ def policy_head(
     with a KL loss; optional ``response_mask`` and ``rollout_is_weights``). Without ``old_logp`` the
     batch is on-policy (its only optimizer step, from the weights that scored it): the old log-probs
     are this forward pass's own, detached (ratio 1, the same gradient as a separate pass), and the
-    head hands them back as outputs ``logprobs`` and ``entropy``."""
-    policy_loss = config.build()
+    head hands them back as outputs ``logprobs`` and ``entropy``. With ``batch.rollout_correction``
+    (bypass mode) each micro-batch's policy loss is corrected for the current policy against
+    ``old_logp``, the engine's log-probs (``correct_against_current_policy``): its rejection narrows the
+    policy loss's mask (the entropy and KL terms and the denominators keep the batch's, as verl's do), its
+    IS weights reach a loss without a ratio only, and its metrics join the head's."""
+    loss_config = config.loss_config()
+    policy_loss = loss_config.build()
+    bypass = batch.rollout_correction
     denominators = global_denominators(batch)
     aggregation = dict(loss_agg_mode=config.loss_agg_mode, global_denominators=denominators, norm_horizon=config.norm_horizon)
 
@@ -120,10 +127,17 @@ def policy_head(
                               if "rollout_is_weights" in batch.fields else None)
         on_policy = "old_logp" not in batch.fields
         old_logp = logp.detach() if on_policy else _field(batch, "old_logp", micro_batch, device)
+        loss_mask, correction_metrics = mask, {}
+        if bypass is not None:
+            correction = correct_against_current_policy(
+                logp, old_logp, mask, bypass, weights_apply=not isinstance(loss_config, RatioLossConfig))
+            loss_mask, rollout_is_weights, correction_metrics = (
+                correction.response_mask, correction.is_weights, correction.metrics)
         pg_loss, metrics = policy_loss(
-            logp, old_logp, _field(batch, "advantages", micro_batch, device), mask,
+            logp, old_logp, _field(batch, "advantages", micro_batch, device), loss_mask,
             PolicyLossContext(global_denominators=denominators, rollout_is_weights=rollout_is_weights),
         )
+        metrics.update(correction_metrics)
         summed = {"pg_loss": pg_loss.detach()}
         loss = pg_loss
         if config.entropy_coeff:

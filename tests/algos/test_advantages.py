@@ -194,7 +194,8 @@ def test_reinforce_plus_plus_baseline_by_hand() -> None:
 
 def test_remax_by_hand() -> None:
     mask = _tensor([[1, 1], [1, 0]])
-    advantages, returns = compute_remax_outcome_advantages(_tensor([1.0, 0.2]), _tensor([0.5, 0.7]), mask)
+    rewards = _tensor([[0.0, 1.0], [0.2, 0.0]])  # the scores 1.0 and 0.2 at the last valid tokens
+    advantages, returns = compute_remax_outcome_advantages(rewards, _tensor([0.5, 0.7]), mask)
     torch.testing.assert_close(advantages, _tensor([[0.5, 0.5], [-0.5, 0.0]]), rtol=0, atol=1e-12)
     torch.testing.assert_close(returns, _tensor([[1.0, 1.0], [0.2, 0.0]]), rtol=0, atol=1e-12)
 
@@ -248,7 +249,7 @@ def test_outcome_estimators_reject_bad_shapes() -> None:
     with pytest.raises(ValueError, match="floating-point"):
         compute_grpo_outcome_advantages(SCORES, MASK, TENSOR_IDS.double())
     with pytest.raises(ValueError, match=r"baseline_scores \[2\]"):
-        compute_remax_outcome_advantages(SCORES, SCORES[:2], MASK)
+        compute_remax_outcome_advantages(torch.zeros_like(MASK), SCORES[:2], MASK)
 
 
 def test_token_estimators_reject_bad_shapes() -> None:
@@ -273,7 +274,7 @@ def test_registry_has_all_estimators() -> None:
 # The trainer passes an estimator the inputs its parameters name, from this set only.
 ESTIMATOR_INPUTS = {
     "scores", "token_level_rewards", "values", "response_mask", "group_ids", "baseline_scores",
-    "gamma", "lam", "normalize_by_std", "epsilon", "whiten",
+    "gamma", "lam", "normalize_by_std", "epsilon", "whiten", "restart_mask",
 }
 
 
@@ -350,7 +351,7 @@ def test_padding_never_leaks_into_advantages(shape: tuple[int, int, int]) -> Non
         ]
         for name in ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "gpg", "grpo_passk"):
             outputs.extend(ADVANTAGE_ESTIMATORS[name](batch.scores, batch.mask, group_ids))
-        outputs.extend(compute_remax_outcome_advantages(batch.scores, batch.scores * 0.5, batch.mask))
+        outputs.extend(compute_remax_outcome_advantages(rewards, batch.scores * 0.5, batch.mask))
         return outputs
 
     clean = all_estimates(batch.rewards, batch.values)

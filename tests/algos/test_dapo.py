@@ -13,14 +13,14 @@ from .helpers import PROPERTY_SETTINGS
 
 
 def test_dynamic_sampling_by_hand() -> None:
-    # a = (1, 1) constant -> drop; b = (0, 1) -> keep; c singleton -> drop; d = (0, 0.5) -> keep
+    # a = (1, 1) constant -> drop; b = (0, 1) -> keep; c singleton -> keep (as verl); d = (0, 0.5) -> keep
     group_ids = ["a", "b", "a", "c", "b", "d", "d"]
     accuracy = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.5])
     result = dynamic_sampling_filter(group_ids, accuracy)
-    assert result.keep_mask.tolist() == [False, True, False, False, True, True, True]
-    assert result.kept_indices.tolist() == [1, 4, 5, 6]
-    assert result.num_kept_groups == 2
-    assert result.num_dropped_groups == 2
+    assert result.keep_mask.tolist() == [False, True, False, True, True, True, True]
+    assert result.kept_indices.tolist() == [1, 3, 4, 5, 6]
+    assert result.num_kept_groups == 3
+    assert result.num_dropped_groups == 1
 
 
 def test_dynamic_sampling_with_tensor_ids_and_integer_metric() -> None:
@@ -38,14 +38,15 @@ def test_dynamic_sampling_rejects_bad_metric_shape() -> None:
 
 @PROPERTY_SETTINGS
 @given(layout=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 2)), min_size=1, max_size=16))
-def test_dynamic_sampling_keeps_exactly_the_non_constant_groups(layout: list[tuple[int, int]]) -> None:
+def test_dynamic_sampling_keeps_exactly_the_non_constant_groups_and_singletons(layout: list[tuple[int, int]]) -> None:
     group_ids = [group for group, _ in layout]
     metric = torch.tensor([float(value) for _, value in layout])
     result = dynamic_sampling_filter(group_ids, metric)
     values_by_group: dict[int, set[float]] = {}
     for group, value in layout:
         values_by_group.setdefault(group, set()).add(float(value))
-    expected_kept = {group for group, values in values_by_group.items() if len(values) > 1}
+    expected_kept = {group for group, values in values_by_group.items()
+                     if len(values) > 1 or group_ids.count(group) == 1}
     assert result.keep_mask.tolist() == [group in expected_kept for group in group_ids]
     assert result.num_kept_groups == len(expected_kept)
     assert result.num_dropped_groups == len(values_by_group) - len(expected_kept)

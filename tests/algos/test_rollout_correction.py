@@ -45,7 +45,8 @@ def test_token_level_truncated_is_weights() -> None:
     expected = _tensor([[math.exp(0.5), math.exp(-0.2), 2.0, 0.0]])
     torch.testing.assert_close(result.is_weights, expected, rtol=0, atol=1e-12)
     torch.testing.assert_close(result.response_mask, mask, rtol=0, atol=0)
-    _close(result.metrics["rollout_corr/rollout_is_mean"], (math.exp(0.5) + math.exp(-0.2) + 2.0) / 3)
+    # verl's mean is taken before truncation (rollout_corr_helper.py, compute_rollout_correction_weights)
+    _close(result.metrics["rollout_corr/rollout_is_mean"], (math.exp(0.5) + math.exp(-0.2) + math.e) / 3)
     _close(result.metrics["rollout_corr/rollout_is_ratio_fraction_high"], 1 / 3)
 
 
@@ -62,8 +63,8 @@ def test_sequence_level_truncated_is_weights_broadcast_over_the_row() -> None:
     result = compute_rollout_correction(old_logp, rollout_logp, mask, config)
     w = math.exp(0.3)
     torch.testing.assert_close(result.is_weights, _tensor([[w, w, 0], [2, 2, 2], [0, 0, 0]]), rtol=0, atol=1e-12)
-    _close(result.metrics["rollout_corr/rollout_is_mean"], (2 * w + 3 * 2.0) / 5)  # token-weighted
-    _close(result.metrics["rollout_corr/rollout_is_ratio_fraction_high"], 1 / 2)  # of the 2 sequences
+    _close(result.metrics["rollout_corr/rollout_is_mean"], (2 * w + 3 * math.exp(1.2)) / 5)  # before truncation
+    _close(result.metrics["rollout_corr/rollout_is_ratio_fraction_high"], 1 / 3)  # of all 3 rows, as verl
 
     wider = compute_rollout_correction(
         old_logp, rollout_logp, mask, RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=5.0)
@@ -409,7 +410,6 @@ def test_config_defaults_follow_verl() -> None:
         (dict(rollout_rs_threshold_lower=0.5), "rollout_rs_threshold_lower is set"),
         (dict(rollout_token_veto_threshold=0.0), "rollout_token_veto_threshold"),
         (dict(rollout_token_veto_threshold=1.0), "rollout_token_veto_threshold"),
-        (dict(bypass_mode=True, rollout_is="token"), "bypass_mode"),
     ],
 )
 def test_config_validation_names_the_field(kwargs: dict, field: str) -> None:

@@ -101,14 +101,19 @@ engine_checks() {  # the checks of one extra's environment
             "$1-update-sleep-wake|tests/gpu/test_$1_engine.py::test_update_sleep_wake" \
             "$1-logprobs-vs-trainer|tests/gpu/test_engine_cluster.py::test_engine_logprobs_equal_the_trainer_after_sync" \
             "$1-sleep-sync-wake-memory|tests/gpu/test_engine_cluster.py::test_sleep_sync_wake_returns_memory_to_baseline[$1]" \
-            "$1-grpo-three-steps|tests/gpu/test_trainer_gpu.py::test_three_grpo_steps_on_gpu"
+            "$1-grpo-three-steps|tests/gpu/test_trainer_gpu.py::test_three_grpo_steps_on_gpu" \
+            "$1-update-drops-prefix-cache|tests/gpu/test_$1_engine.py::test_an_update_drops_the_prefix_cache_of_the_old_weights"
             [ "$1" = sglang ] || echo \
             "vllm-grpo-sharded-rdt|tests/gpu/test_trainer_gpu.py::test_three_grpo_steps_with_vllm_sharded_rdt" \
-            "vllm-top-k-truncated-logprobs|tests/gpu/test_vllm_engine.py::test_top_k_logprobs_are_of_the_truncated_distribution" ;;
+            "vllm-top-k-truncated-logprobs|tests/gpu/test_vllm_engine.py::test_top_k_logprobs_are_of_the_truncated_distribution" \
+            "vllm-data-parallel-refused|tests/gpu/test_vllm_engine.py::test_data_parallel_is_refused" \
+            "vllm-multimodal-with-tokenizer|tests/gpu/test_vllm_engine.py::test_a_multimodal_engine_starts_with_its_tokenizer" \
+            "host-memcpy|tests/gpu/test_host_memcpy.py::test_host_memcpy_speed" ;;
         gpu) echo \
             "te-thd-partition|tests/gpu/test_context_parallel_te.py" \
             "te-worker-packed-equals-padded|tests/gpu/test_worker_gpu.py::test_packed_update_equals_padded_on_gpu" \
-            "te-worker-response-row-logits|tests/gpu/test_worker_gpu.py::test_response_row_logits_update_equals_the_full_output_layer_on_gpu" ;;
+            "te-worker-response-row-logits|tests/gpu/test_worker_gpu.py::test_response_row_logits_update_equals_the_full_output_layer_on_gpu" \
+            "sliced-refit-vs-plan|tests/gpu/test_sliced_refit.py::test_a_sliced_refit_matches_its_plan_on_gpus" ;;
         *) echo "unknown extra '$1' (choose from vllm sglang gpu)" >&2; return 2 ;;
     esac
 }

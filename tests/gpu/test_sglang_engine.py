@@ -1,13 +1,15 @@
 """The real SGLang 0.5.23 behind SGLangEngine on a tiny Llama, Qwen2 and Qwen3-MoE: greedy equals HF,
 temperature-scaled log-probs (without SGLANG_RETURN_ORIGINAL_LOGPROB); on the Llama, weight updates and
-sleep/wake. Needs CUDA and `pip install -e .[sglang]`
+sleep/wake, and the prefix cache of the old weights gone after an update (twin: tests/rollout/test_gpu_check_twins.py).
+Needs CUDA and `pip install -e .[sglang]`
 (tests/gpu/run_gpu_checks.sh). Its CPU contract twin, test_the_gpu_fixture_arguments_are_accepted in
 tests/rollout/test_sglang_adapter.py, builds the fake engine with ENGINE_KWARGS."""
 
 import pytest
 
 from .conftest import ENGINE_MODELS
-from .engine_checks import check_greedy_and_sampled_logprobs, check_update_sleep_wake
+from .engine_checks import (check_greedy_and_sampled_logprobs, check_update_drops_the_prefix_cache,
+                            check_update_sleep_wake)
 
 pytestmark = pytest.mark.gpu
 
@@ -37,3 +39,20 @@ def test_greedy_and_logprobs_match_hf(engine, gpu_model_dirs):
 @pytest.mark.parametrize("engine", ["llama"], indirect=True)
 def test_update_sleep_wake(engine, gpu_llama_dir, gpu_llama_other_dir):
     check_update_sleep_wake(engine, gpu_llama_dir, gpu_llama_other_dir)
+
+
+@pytest.mark.parametrize("engine", ["llama"], indirect=True)
+def test_an_update_drops_the_prefix_cache_of_the_old_weights(engine, gpu_llama_other_dir):
+    from rlmega.rollout.sglang_engine import SGLangEngine
+
+    fresh = []
+
+    def fresh_engine(path):
+        fresh.append(SGLangEngine(path, **ENGINE_KWARGS))
+        return fresh[-1]
+
+    try:
+        check_update_drops_the_prefix_cache(engine, fresh_engine, gpu_llama_other_dir)
+    finally:
+        for other in fresh:
+            other.shutdown()

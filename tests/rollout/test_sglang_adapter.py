@@ -304,7 +304,8 @@ def test_the_fake_returns_routing_as_the_release_does(sglang, qwen3_moe_dirs):
                              routed_experts_start_len=1)
     rows = np.frombuffer(base64.b64decode(out["meta_info"]["routed_experts"]), dtype=np.int32)
     assert rows.size == (3 + 3 - 1 - 1) * 2 * 2
-    with pytest.raises(ValueError, match="out of range"):  # rejected (status 400): raised, not returned
+    with pytest.raises(ValueError, match=r"routed_experts_start_len=4 is higher than the number of input tokens "
+                                         r"len\(req.origin_input_ids\)=3"):  # rejected (status 400): raised
         engine.generate(input_ids=[[1, 2, 3]], sampling_params=params, return_routed_experts=True,
                         routed_experts_start_len=4)
 

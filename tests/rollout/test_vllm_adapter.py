@@ -222,7 +222,8 @@ def test_the_fake_refuses_routing_where_the_release_does(vllm, llama_dir, qwen3_
     with pytest.raises(ValueError, match="requires prefix caching"):
         vllm.LLM(str(qwen3_moe_dirs[0]), enable_return_routed_experts=True, enable_prefix_caching=False)
     llm = vllm.LLM(str(qwen3_moe_dirs[0]), enable_return_routed_experts=True)
-    with pytest.raises(ValueError, match="routed_experts_prompt_start must be between 0 and the prompt length"):
+    with pytest.raises(vllm.VLLMValidationError, match="routed_experts_prompt_start must be between 0 and the "
+                                                       "prompt length"):
         llm.generate([{"prompt_token_ids": [1, 2]}], vllm.SamplingParams(routed_experts_prompt_start=3))
     (output,) = llm.generate([{"prompt_token_ids": [1, 2, 3]}], vllm.SamplingParams(max_tokens=2, temperature=0))
     routed = output.outputs[0].routed_experts  # [P + R - 1, num_hidden_layers, k], uint8 (4 experts)

@@ -202,6 +202,32 @@ def test_bypass_mode_trains_on_the_engine_log_probs(tmp_path, assets):
         assert all(torch.equal(o, torch.full_like(o, ROLLOUT_LOGP)) for o in update.fields["old_logp"])
 
 
+def test_bypass_mode_hands_the_correction_to_the_loss(tmp_path, assets):
+    trainer, parts = _trainer(tmp_path, assets, "algo=grpo", "algorithm.rollout_correction.bypass_mode=true",
+                              "algorithm.rollout_correction.rollout_is=token",
+                              "algorithm.rollout_correction.rollout_rs=token_k1",
+                              "algorithm.rollout_correction.rollout_rs_threshold=1.05")
+    trainer.fit()
+    for update in parts["actor"].updates:  # nothing corrected up front: the loss compares the current policy
+        assert update.rollout_correction == trainer.config.algorithm.rollout_correction
+        assert "rollout_is_weights" not in update.fields and "response_mask" not in update.fields
+
+
+def test_rejection_reaches_the_advantages_unless_told_otherwise(tmp_path, assets):
+    rejecting = ("algo=reinforce_plus_plus", "algorithm.rollout_correction.rollout_rs=token",
+                 "algorithm.rollout_correction.rollout_rs_threshold=1.05")  # e^0.1 leaves the band: every token
+    trainer, parts = _trainer(tmp_path, assets, *rejecting, shift=0.1)
+    trainer.fit()
+    for update in parts["actor"].updates:  # verl's order: no token is left to give an advantage
+        assert all(not a.any() for a in update.fields["advantages"])
+    trainer, parts = _trainer(tmp_path / "loss_only", assets, *rejecting,
+                              "algorithm.rollout_correction.reject_before_advantages=false", shift=0.1)
+    trainer.fit()
+    for update in parts["actor"].updates:  # the advantages of the mask before rejection (the KL varies them)
+        assert any(a.any() for a in update.fields["advantages"])
+        assert all(not m.any() for m in update.fields["response_mask"])
+
+
 def test_kl_in_reward_reaches_grpo_and_rloo_by_hand():
     scores = torch.tensor([1.0, 0.0, 1.0])
     old = [torch.tensor([-0.1, -0.2]), torch.tensor([-0.3]), torch.tensor([-0.5, -0.5])]

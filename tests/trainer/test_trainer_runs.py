@@ -76,12 +76,15 @@ def _comparable(row):
      "rollout.temperature=0.7"],
     ["algo=dapo", "rollout.placement=disaggregated", "rollout.num_engines=2", "trainer.total_steps=2"],
     ["algo=ppo", "rollout.placement=disaggregated", "trainer.total_steps=2"],
+    # Every training rank sends its own blocks to the engines (no gather to rank 0).
+    ["algo=grpo", "rollout.placement=disaggregated", "rollout.num_engines=2", "sync.transport=sliced",
+     "trainer.total_steps=2"],
     ["algo=reinforce_plus_plus", "trainer.total_steps=1", "layout.tp=1"],
     ["algo=rloo", "trainer.total_steps=1", "layout.tp=1", "layout.world_size=1"],
     ["algo=grpo", "trainer.total_steps=1", "layout.tp=1", "layout.cp=2"],
     ["algorithm.adv_estimator=remax", "actor.policy_loss.name=sapo", "trainer.total_steps=1", "layout.tp=1",
      "layout.world_size=1"],
-], ids=["grpo-colocated-t0.7", "dapo-disaggregated-2-engines", "ppo-critic", "reinforce++", "rloo", "grpo-cp2",
+], ids=["grpo-colocated-t0.7", "dapo-disaggregated-2-engines", "ppo-critic", "grpo-sliced-2-engines", "reinforce++", "rloo", "grpo-cp2",
         "remax-sapo"])
 def test_algorithms_and_placements_run(tmp_path, assets, overrides):
     result = _train(tmp_path / "run", assets, *overrides)
@@ -224,6 +227,20 @@ def test_perturbed_engine_raises_the_mismatch_and_masked_is_masks_tokens(tmp_pat
         assert perturbed["mismatch/abs_log_prob_diff_mean"] > 100 * max(clean["mismatch/abs_log_prob_diff_mean"], 1e-6)
         assert 0.0 < perturbed["mismatch/masked_token_fraction"] < 1.0
         assert perturbed["rollout_corr/rollout_is_mean"] != 1.0
+
+
+def test_bypass_mode_corrects_inside_the_loss(tmp_path, assets):
+    run = _train(tmp_path / "bypass", assets, "trainer.total_steps=2", "layout.tp=1", "layout.world_size=1",
+                 "+rollout.engine_kwargs.weight_noise_std=0.05", "sync.post_sync_check=false",
+                 "algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=token",
+                 "algorithm.rollout_correction.rollout_rs=token_k1",
+                 "algorithm.rollout_correction.rollout_rs_threshold=1.2",
+                 "actor.policy_loss.name=reinforce")
+    assert run.returncode == 0, run.stderr[-3000:]
+    for row in _rows(tmp_path / "bypass"):  # the update's metrics: the trained policy against the noisy engine
+        assert 0.0 < row["rollout_corr/rollout_rs_masked_fraction"] < 1.0
+        assert row["rollout_corr/rollout_is_mean"] != 1.0
+        assert math.isclose(row["mismatch/masked_token_fraction"], row["rollout_corr/rollout_rs_masked_fraction"])
 
 
 def test_the_quickstart_starts_from_a_verl_config(tmp_path, assets):

@@ -95,6 +95,7 @@ def rule(package: str, name: str) -> dict:
     return _rules()[package][name]
 
 
-def refusal(package: str, name: str, **fields) -> str:
-    """The message a rule's wheel raises, with ``fields`` filled in."""
-    return rule(package, name)["message"].format(**fields)
+def refusal(package: str, name: str, case: str | None = None, /, **fields) -> str:
+    """The message a rule's wheel raises, with ``fields`` filled in; ``case``: which of a rule's ``messages``."""
+    found = rule(package, name)
+    return (found["message"] if case is None else found["messages"][case]).format(**fields)

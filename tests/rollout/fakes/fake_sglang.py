@@ -6,8 +6,9 @@ fields, and the log-prob switch the fake reads is the one the wheel reads. Behav
 is reproduced: sampling-parameter dicts as in sglang/srt/sampling/sampling_params.py (temperature 0 ->
 top_k 1, top_k -1 for all, ``sampling_seed`` used only with ``enable_deterministic_inference``, which needs
 an attention backend from ``DETERMINISTIC_ATTENTION_BACKEND_CHOICES`` when one is named);
-Req.update_finish_state (stop tokens tested before the length, schedule_batch.py:2038-2043; ``ignore_eos``
-disables the EOS ids *and* ``stop_token_ids``, _check_token_based_finish);
+Req.update_finish_state (stop tokens tested before the length: ``api/rules.json`` stop_tokens_before_length;
+``ignore_eos`` disables the EOS ids *and* ``stop_token_ids``, _check_token_based_finish); a request the scheduler
+rejects raised from ``generate`` (rejection_raised_by_generate); every refusal's message read from ``api/rules.json``;
 the log-probs of sglang/srt/layers/sampler.py (``log_softmax(logits / temperature)`` unless
 ``SGLANG_RETURN_ORIGINAL_LOGPROB`` was set when the engine started); weight updates that run only inside
 a ``begin_weight_update`` / ``end_weight_update`` session
@@ -67,6 +68,7 @@ RAW_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"  # sglang/srt/layers/sampler.
 api_snapshot.check_env(API, RAW_LOGPROB_ENV)
 
 checked = functools.partial(api_snapshot.checked, API)
+STOP_FIRST = api_snapshot.rule("sglang", "stop_tokens_before_length")["stop_first"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -122,8 +124,8 @@ class Engine:
         backend = kwargs.get("attention_backend")
         choices = API["constants"]["DETERMINISTIC_ATTENTION_BACKEND_CHOICES"]
         if kwargs.get("enable_deterministic_inference") and backend is not None and backend not in choices:
-            raise ValueError(f"Currently only {choices} attention backends are supported for deterministic "
-                             f"inference, but you explicitly specified '{backend}'.")
+            raise ValueError(api_snapshot.refusal("sglang", "deterministic_attention_backend", choices=choices,
+                                                  backend=backend))
         self.server_args = kwargs
         self.loop = _ensure_event_loop()
         self.tokenizer_manager = TokenizerManager(self.loop)
@@ -173,7 +175,7 @@ class Engine:
         if image_data is None:
             return [None] * len(input_ids)
         if not isinstance(image_data, list) or len(image_data) != len(input_ids):
-            raise ValueError("The length of image_data should be equal to the batch size.")
+            raise ValueError(api_snapshot.refusal("sglang", "image_data_batch"))
         if not isinstance(image_data[0], list):  # _normalize_image_data: a list of images, one per request
             image_data = [[item] for item in image_data]
         return [self._request_images(ids, items) for ids, items in zip(input_ids, image_data)]
@@ -185,8 +187,8 @@ class Engine:
             raise TypeError(f"IMAGE must be a list or None, got {type(items)}")
         dicts = [item for item in items if isinstance(item, dict) and item.get("format") is not None]
         if dicts and len(items) != 1:
-            raise ValueError(f"For Modality.IMAGE, when providing a 'processor_output' or 'precomputed_embedding', "
-                             f"you must pass exactly one item; received {len(items)} items")
+            raise ValueError(api_snapshot.refusal("sglang", "processor_output_single_item", modality="Modality.IMAGE",
+                                                  count=len(items), indices=[items.index(item) for item in dicts]))
         if not dicts:
             if any(isinstance(item, (list, dict)) for item in items):
                 raise RuntimeError(f"Error while loading data {items!r:.100}")  # load_image on a list / plain dict
@@ -201,7 +203,7 @@ class Engine:
         if unknown:
             raise TypeError(f"sglang {__version__} reads no image key(s) {unknown} from a processor output")
         if self.vision is None:
-            raise ValueError("images for a model without a multimodal processor")
+            raise NotImplementedError("the fake emulates images only for a model with a vision tower")
         pixels, grid = item.get("pixel_values"), item.get("image_grid_thw")
         if not isinstance(pixels, torch.Tensor) or not isinstance(grid, torch.Tensor) or grid.ndim != 2:
             raise TypeError("a Qwen-VL processor output needs tensors pixel_values [patches, dim] and "
@@ -237,9 +239,12 @@ class Engine:
         outputs = []
         for rid, ids, params, to_abort in requests:
             if routing_start is not None and not 0 <= routing_start <= len(ids):
-                # Scheduler rejects it (Req.set_finish_with_abort: status 400), and a non-streaming generate raises
-                # the message for the whole batch (tokenizer_manager.py:1891-1922, _handle_abort_finish_reason).
-                raise ValueError(f"routed_experts_start_len={routing_start} is out of range")
+                # api/rules.json rejection_raised_by_generate: the scheduler rejects it (status 400), and a
+                # non-streaming generate raises the message for the whole batch.
+                assert api_snapshot.rule("sglang", "rejection_raised_by_generate")["raises_for_status"] == 400
+                raise ValueError(api_snapshot.refusal(  # status 400: a ValueError; others an HTTPException
+                    "sglang", "rejection_raised_by_generate", "above_prompt" if routing_start > 0 else "below_zero",
+                    start=routing_start, length=len(ids)))
             if to_abort.is_set():  # still queued: popped from the waiting queue (tokenizer_manager.py:3577-3600)
                 outputs.append({"text": "", "meta_info": {
                     "id": rid, "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
@@ -254,7 +259,8 @@ class Engine:
                 tokens, logprobs, reason = self.model.decode(
                     ids, max_tokens=params.get("max_new_tokens", 128), stop_ids=stop_ids, temperature=temperature,
                     top_k=top_k, top_p=params.get("top_p", 1.0), seed=seed,
-                    logprobs_of="raw" if self._raw_logprobs else "scaled", aborted=to_abort.is_set)
+                    logprobs_of="raw" if self._raw_logprobs else "scaled", aborted=to_abort.is_set,
+                    stop_first=STOP_FIRST)
                 finish = {"stop": {"type": "stop", "matched": tokens[-1]},
                           "length": {"type": "length", "length": params.get("max_new_tokens", 128)},
                           "abort": {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None},

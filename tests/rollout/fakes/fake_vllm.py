@@ -8,8 +8,13 @@ vllm/entrypoints/rl/offline.py (``start_weight_update`` / ``finish_weight_update
 ``SamplingParams`` from vllm/sampling_params.py, ``CompletionOutput`` / ``RequestOutput`` from
 vllm/outputs.py, ``Logprob`` from vllm/logprobs.py. Behaviour the adapter relies on is reproduced:
 ``n > 1`` with greedy is refused, children of an ``n > 1`` request get ``seed + index``, the
-generation_config's EOS stops unless ``ignore_eos``, the stop tokens are tested before the length limit,
-``logprobs_mode`` picks raw or processed log-probs, ``sleep`` needs ``enable_sleep_mode``, and weights
+generation_config's EOS stops unless ``ignore_eos``, and the rules of ``api/rules.json`` (each cited there from the
+wheel; every refusal's message is read from there): the stop tokens tested before the length limit, temperatures
+above 2 refused and those in (0, 0.01) raised to 0.01, a ``sharded_rdt`` engine only on the Ray executor, a
+multimodal model only with its tokenizer, a fused layer sent in part rebuilt from uninitialised memory at
+``finish_weight_update``;
+``logprobs_mode`` picks raw or processed log-probs, ``sleep`` is emulated with ``enable_sleep_mode`` (without
+it vLLM frees nothing, which the fake does not emulate), and weights
 slept through cannot be written until ``wake_up(tags=["weights"])``. ``enable_return_routed_experts`` is
 refused where vllm/config/vllm.py refuses it (a dense model, prefix caching off, PP > 1) and fills every
 ``CompletionOutput.routed_experts`` in the format recorded from the wheel (``API["routed_experts"]``): numpy
@@ -52,8 +57,17 @@ __version__ = API["version"]
 
 checked = functools.partial(api_snapshot.checked, API)
 
-_MAX_TEMP = 1e-2  # vllm/sampling_params.py
-_SAMPLING_EPS = 1e-5
+_SAMPLING_EPS = 1e-5  # vllm/sampling_params.py
+STOP_FIRST = api_snapshot.rule("vllm", "stop_tokens_before_length")["stop_first"]
+# processed log-probs of top_k=1 at a temperature > 0: one token kept, so exactly this on every token
+TOP_K_1_PROCESSED_LOGPROB = api_snapshot.rule("vllm", "processed_logprobs_of_top_k_1")["logprob"]
+# vLLM's fused layers (api/rules.json partial_fused_layer_update): on-disk weight -> the layer it is loaded into.
+_PACKED_INTO = {part: fused for fused, parts in api_snapshot.rule("vllm", "partial_fused_layer_update")[
+    "packed_modules"].items() for part in parts}
+
+
+class VLLMValidationError(Exception):  # vllm/exceptions.py: a VLLMClientError, not a ValueError
+    pass
 
 
 @dataclass
@@ -111,22 +125,27 @@ class SamplingParams:  # vllm/sampling_params.py: the fields, defaults and check
     routed_experts_prompt_start: int = 0
 
     def __post_init__(self) -> None:
-        if 0 < self.temperature < _MAX_TEMP:
-            self.temperature = _MAX_TEMP
+        lowest = api_snapshot.rule("vllm", "temperature_raised_to_min")["min"]
+        if 0 < self.temperature < lowest:
+            self.temperature = lowest
+        if self.temperature > api_snapshot.rule("vllm", "temperature_above_max")["max"]:
+            raise VLLMValidationError(api_snapshot.refusal("vllm", "temperature_above_max",
+                                                           temperature=self.temperature))
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        checks = functools.partial(api_snapshot.refusal, "vllm", "sampling_params_checks")
         if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}.")
+            raise VLLMValidationError(checks("n", n=self.n))
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+            raise VLLMValidationError(checks("top_p", top_p=self.top_p))
         if self.top_k < -1:
-            raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
+            raise VLLMValidationError(checks("top_k", top_k=self.top_k))
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+            raise VLLMValidationError(checks("max_tokens", max_tokens=self.max_tokens))
         if self.temperature < _SAMPLING_EPS:
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
             if self.n > 1:
-                raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
+                raise VLLMValidationError(checks("greedy_n", n=self.n))
 
 
 api_snapshot.check_fields(API, "SamplingParams", SamplingParams.__dataclass_fields__)
@@ -162,19 +181,17 @@ class LLM:
             "vllm", "default_gpu_memory_utilization")[__version__]
         self.max_model_len = kwargs.get("max_model_len") or self._config_length(model)
         if kwargs.get("logprobs_mode", "raw_logprobs") not in API["constants"]["LogprobsMode"]:
-            raise ValueError(f"logprobs_mode {kwargs['logprobs_mode']!r} not in {API['constants']['LogprobsMode']}")
+            raise ValueError(api_snapshot.refusal("vllm", "logprobs_mode_choices", mode=kwargs["logprobs_mode"],
+                                                  modes=API["constants"]["LogprobsMode"]))
         if kwargs.get("weight_transfer_config") is not None:
             api_snapshot.check_fields(API, "WeightTransferConfig", kwargs["weight_transfer_config"])
         if (kwargs.get("weight_transfer_config") or {}).get("backend") == "sharded_rdt":
-            # vllm/distributed/weight_transfer/sharded_rdt_engine.py:312-321 (ShardedRDTWeightTransferEngine.__init__,
-            # at engine construction); unset, vllm/config/parallel.py:1054-1099 resolves "uni" for one worker and
-            # "mp" for more (outside a Ray placement group).
+            # api/rules.json sharded_rdt_needs_ray_executor (unset: "uni" for one worker, "mp" for more).
             world = tensor_parallel_size * kwargs.get("pipeline_parallel_size", 1)
             backend = kwargs.get("distributed_executor_backend") or ("uni" if world == 1 else "mp")
-            if isinstance(backend, str) and backend != "ray":
-                raise ValueError(f"The 'sharded_rdt' weight transfer backend requires distributed_executor_backend="
-                                 f"'ray', got {backend!r}. Pass --distributed-executor-backend ray so the workers are "
-                                 f"RayExecutorV2 actors with tensor transport.")
+            needed = api_snapshot.rule("vllm", "sharded_rdt_needs_ray_executor")["executor"]
+            if isinstance(backend, str) and backend != needed:
+                raise ValueError(api_snapshot.refusal("vllm", "sharded_rdt_needs_ray_executor", backend=backend))
         self.calls: list[tuple] = [("__init__", model, dict(
             kwargs, skip_tokenizer_init=skip_tokenizer_init, gpu_memory_utilization=gpu_memory_utilization,
             enable_return_routed_experts=enable_return_routed_experts))]
@@ -182,21 +199,19 @@ class LLM:
                                 tensor_parallel_size=tensor_parallel_size)
         self.model = TinyCausalLM(model)
         self.vision = vision_of(model)
-        if self.vision is not None and skip_tokenizer_init:
-            # vllm/renderers/base.py:194-199 builds the multimodal processor at construction, and
-            # vllm/multimodal/processing/processor.py:1038-1052 (BaseMultiModalProcessor.__init__, requires_tokenizer
-            # True; Qwen2_5_VLMultiModalProcessor keeps it) refuses to start without the tokenizer.
-            raise ValueError("Qwen2_5_VLMultiModalProcessor requires a tokenizer and cannot be initialized when "
-                             "`skip_tokenizer_init=True`. Disable `--skip-tokenizer-init`.")
+        if self.vision is not None and skip_tokenizer_init:  # api/rules.json multimodal_processor_needs_tokenizer
+            raise ValueError(api_snapshot.refusal("vllm", "multimodal_processor_needs_tokenizer",
+                                                  processor="Qwen2_5_VLMultiModalProcessor"))
         self.mm_requests: list[list[Optional[dict]]] = []
         self.return_routed_experts = enable_return_routed_experts
-        if enable_return_routed_experts:  # vllm/config/vllm.py: _verify_aux_output_compatibility
+        if enable_return_routed_experts:  # api/rules.json routed_experts_needs
+            needs = functools.partial(api_snapshot.refusal, "vllm", "routed_experts_needs")
             if not self.model.num_experts:
-                raise ValueError("AuxOutput Connector only supports MoE models.")
+                raise ValueError(needs("moe"))
             if kwargs.get("enable_prefix_caching") is False:
-                raise ValueError("AuxOutput Connector requires prefix caching.")
+                raise ValueError(needs("prefix_caching"))
             if kwargs.get("pipeline_parallel_size", 1) > 1:
-                raise ValueError("--enable-return-routed-experts is incompatible with pipeline parallelism (PP > 1).")
+                raise ValueError(needs("pipeline"))
         generation_config = Path(model) / "generation_config.json"
         eos = json.loads(generation_config.read_text()).get("eos_token_id") if generation_config.exists() else None
         self._generation_eos = set([eos] if isinstance(eos, int) else eos or [])
@@ -226,8 +241,9 @@ class LLM:
         results = []
         for request_id, (prompt, params) in enumerate(zip(prompts, sampling_params)):
             if not 0 <= params.routed_experts_prompt_start <= len(prompt["prompt_token_ids"]):
-                raise ValueError("routed_experts_prompt_start must be between 0 and the prompt length "
-                                 f"({len(prompt['prompt_token_ids'])}), inclusive.")
+                raise VLLMValidationError(api_snapshot.refusal(
+                    "vllm", "routed_experts_prompt_start_range", length=len(prompt["prompt_token_ids"]),
+                    start=params.routed_experts_prompt_start))
             self._check_length(prompt["prompt_token_ids"])
             # The scheduler ends a request at max_model_len tokens ("length"), whatever max_tokens asked for.
             max_tokens = min(params.max_tokens, self.max_model_len - len(prompt["prompt_token_ids"]))
@@ -238,7 +254,9 @@ class LLM:
                 tokens, logprobs, reason = self.model.decode(
                     prompt["prompt_token_ids"], max_tokens=max_tokens, stop_ids=stop_ids,
                     temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed,
-                    logprobs_of=logprobs_of)
+                    logprobs_of=logprobs_of, stop_first=STOP_FIRST)
+                if logprobs_of == "processed" and params.top_k == 1 and params.temperature > 0:
+                    logprobs = [TOP_K_1_PROCESSED_LOGPROB] * len(tokens)
                 completions.append(CompletionOutput(
                     index=index, text="", token_ids=tokens, cumulative_logprob=sum(logprobs),
                     logprobs=[{t: Logprob(lp, rank=None)} for t, lp in zip(tokens, logprobs)],
@@ -267,21 +285,21 @@ class LLM:
         data = prompt.get("multi_modal_data")
         if not data:
             if prompt.get("mm_processor_kwargs"):
-                raise ValueError("mm_processor_kwargs without multi_modal_data")
+                raise NotImplementedError("the fake emulates mm_processor_kwargs only with multi_modal_data")
             return None
+        parse = functools.partial(api_snapshot.refusal, "vllm", "multimodal_data")
         for modality in data:
             if modality not in MULTIMODAL["modalities"]:
-                raise ValueError(f"Unsupported modality: {modality}")
+                raise ValueError(parse("modality", modality=modality))
         if set(data) != {"image"}:
             raise NotImplementedError(f"the fake emulates images only, got {sorted(data)}")
         if self.vision is None:
-            raise ValueError(f"{self.model.model.config.model_type} is not a multimodal model")
+            raise ValueError(parse("not_multimodal", model=self.model.model.config.model_type))
         images = data["image"]
         if isinstance(images, dict):  # Qwen2VLMultiModalDataParser._parse_image_data -> DictEmbeddingItems
             required = set(MULTIMODAL["qwen2_5_vl"]["dict_image_fields"])
             if not required <= set(images):
-                raise ValueError(f"The data should contain the fields: {required}, but only found the following "
-                                 f"keys: {set(images)}")
+                raise ValueError(parse("fields", required=required, found=set(images)))
             raise NotImplementedError("the fake does not emulate image embeddings")
         import importlib.util
 
@@ -340,14 +358,35 @@ class LLM:
         self._check_weight_transfer()
         self.calls.append(("start_weight_update",))
         self._updating = True
+        self._loaded_before_update = len(self.model.loaded)
 
     @checked("RLOfflineMixin.finish_weight_update")
     def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
         self._check_weight_transfer()
         self.calls.append(("finish_weight_update", weight_version))
         self._updating = False
+        self._rebuild_partly_sent_layers(self.model.loaded[self._loaded_before_update:])
         if weight_version is not None:
             self.weight_version = weight_version
+
+    def _rebuild_partly_sent_layers(self, sent: list[str]) -> None:
+        """``api/rules.json`` partial_fused_layer_update: a fused layer that got part of its weights in the session
+        is rebuilt from uninitialised memory with only those parts copied in (here: NaN where nothing was sent)."""
+        def layer(name: str) -> str:
+            *module, part, _parameter = name.split(".")
+            if "experts" in module:  # FusedMoE: every expert of a layer is one layer
+                return ".".join(module[:module.index("experts") + 1])
+            return ".".join([*module, _PACKED_INTO.get(part, part)])
+
+        sent_set = set(sent)
+        for fused in {layer(name) for name in sent}:
+            members = [name for name in self.model.weight_map.slots if layer(name) == fused]
+            if sent_set.issuperset(members):
+                continue
+            for name in members:
+                if name not in sent_set:
+                    target = self.model.weight_map.resolve(name)
+                    self.model.weight_map.tensors[target.tensor_name].data[target.index].fill_(float("nan"))
 
     @checked("RLOfflineMixin.init_weight_transfer_engine")
     def init_weight_transfer_engine(self, request) -> None:
@@ -395,7 +434,8 @@ class LLM:
     @checked("LLM.sleep")
     def sleep(self, level: int = 1, mode: str = "abort"):
         if not self.engine_args.get("enable_sleep_mode"):
-            raise ValueError("Sleep mode is not enabled. Please compile with enable_sleep_mode=True")
+            # vLLM 0.33 refuses nothing here: without sleep mode its allocator holds no tagged memory to free
+            raise NotImplementedError("the fake emulates sleep only with enable_sleep_mode=True")
         self.calls.append(("sleep", level))
         self.reset_prefix_cache()
         params = self.model.parameters()

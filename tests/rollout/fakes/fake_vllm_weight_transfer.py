@@ -10,7 +10,8 @@ axis; a ``Shard`` names a dimension of the tensor; all-``Replicate`` placements 
 requires ``metadata`` to be a ``functools.cached_property`` (vLLM raises at class creation otherwise) and derives
 ``owned_names`` from ``metadata`` as the wheel does (owners None: every rank).
 
-The ``sharded_rdt`` trainer keeps the wheel's rules (sharded_rdt_trainer.py): a source is required; its metadata
+The ``sharded_rdt`` trainer keeps the wheel's rules (sharded_rdt_trainer.py; ``api/rules.json`` sharded_rdt_min_ray
+and sharded_rdt_group_contiguous): Ray at least the tested release; a source is required; its metadata
 must be group-contiguous (``layerwise_groups``: one group per outermost index, names without one before the first
 indexed name in a leading group, after it in a trailing one); ``TrainerInitInfo.rank`` must be the default
 group's rank; the metadata must agree on every rank; ``iter_full`` must yield exactly the owned names, in
@@ -89,27 +90,27 @@ class ParamMeta:
         fields = _bind("ParamMeta", args, kwargs)
         self.name, self.dtype, self.shape = fields["name"], fields["dtype"], tuple(fields["shape"])
         self.owners, self.mesh_shape, self.placements = fields["owners"], fields["mesh_shape"], fields["placements"]
+        check = functools.partial(api_snapshot.refusal, "vllm", "param_meta_checks", name=self.name)
         if self.owners is None:
             if self.mesh_shape is not None or self.placements is not None:
-                raise ValueError(f"parameter {self.name!r} declares a mesh or placements without owners")
+                raise ValueError(check("no_owners"))
             return
         owners = tuple(self.owners)
         if (not owners or any(not isinstance(r, int) or isinstance(r, bool) for r in owners) or min(owners) < 0
                 or len(set(owners)) != len(owners)):
-            raise ValueError(f"parameter {self.name!r} owners must be distinct non-negative ranks, got {owners}")
+            raise ValueError(check("owners", owners=self.owners))
         mesh = tuple(self.mesh_shape) if self.mesh_shape is not None else (len(owners),)
         if any(d <= 0 for d in mesh) or math.prod(mesh) != len(owners):
-            raise ValueError(f"parameter {self.name!r} mesh_shape {mesh} does not cover its {len(owners)} owners")
+            raise ValueError(check("mesh", mesh=mesh, count=len(owners)))
         placements = self.placements
         if placements is not None:
             placements = tuple(placements)
             if len(placements) != len(mesh):
-                raise ValueError(f"parameter {self.name!r} has {len(placements)} placements for a {len(mesh)}-D mesh")
+                raise ValueError(check("placements", count=len(placements), dims=len(mesh)))
             for placement in placements:
                 if isinstance(placement, Shard):
                     if not 0 <= placement.dim < len(self.shape):
-                        raise ValueError(f"parameter {self.name!r} shards dim {placement.dim} of a "
-                                         f"{len(self.shape)}-D tensor")
+                        raise ValueError(check("shard_dim", dim=placement.dim, dims=len(self.shape)))
                 elif not isinstance(placement, Replicate):
                     raise TypeError(f"parameter {self.name!r} placement {placement!r} is neither Replicate nor Shard")
             if all(isinstance(p, Replicate) for p in placements):
@@ -157,6 +158,19 @@ def layerwise_groups(names: list[str]) -> list[list[str]]:
     return ([pre] if pre else []) + [stacks[key] for key in ordered] + ([post] if post else [])
 
 
+def check_ray_rdt_version() -> None:
+    """``api/rules.json`` sharded_rdt_min_ray: the installed Ray at least the tested one (the fake stands in for
+    nixl, so its import is not checked)."""
+    import importlib.metadata
+
+    from packaging import version
+
+    required = version.parse(api_snapshot.rule("vllm", "sharded_rdt_min_ray")["ray"])
+    current = version.parse(importlib.metadata.version("ray"))
+    if current < required:
+        raise ValueError(api_snapshot.refusal("vllm", "sharded_rdt_min_ray", required=required, current=current))
+
+
 class TrainerInitInfo:
     backend = None
 
@@ -178,25 +192,25 @@ class ShardedRDTTrainer:
 
     @classmethod
     def trainer_init(cls, init_info, *, client, source=None):
+        refuse = functools.partial(api_snapshot.refusal, "vllm", "sharded_rdt_trainer_init")
         if source is None:
-            raise ValueError("Sharded RDT trainer weight transfer requires a WeightSource.")
+            raise ValueError(refuse("source"))
         self = cls()
         self.info, self.client, self.source, self.syncs = init_info, client, source, 0
         self.meta = list(source.metadata)
         names = [m.name for m in self.meta]
         self.groups = layerwise_groups(names)
-        if [name for group in self.groups for name in group] != names:
-            raise ValueError("Sharded RDT requires a WeightSource whose metadata order is group-contiguous.")
+        if [name for group in self.groups for name in group] != names:  # api/rules.json sharded_rdt_group_contiguous
+            raise ValueError(api_snapshot.refusal("vllm", "sharded_rdt_group_contiguous"))
+        check_ray_rdt_version()  # where the wheel's trainer spawns its producer actors
         world = dist.get_world_size() if dist.is_initialized() else 1
         if dist.is_initialized() and dist.get_rank() != init_info.rank:
-            raise ValueError(f"Sharded RDT needs TrainerInitInfo.rank ({init_info.rank}) to be the default process "
-                             f"group rank ({dist.get_rank()}).")
+            raise ValueError(refuse("rank", rank=init_info.rank, group_rank=dist.get_rank()))
         owner_sets, name_owner_class = [], []
         for m in self.meta:
             owners = list(range(world)) if m.owners is None else list(m.owners)
             if max(owners) >= world:
-                raise ValueError(f"parameter {m.name!r} is owned by trainer ranks {owners}, but there are only "
-                                 f"{world} trainer ranks.")
+                raise ValueError(refuse("owners", name=m.name, owners=owners, world=world))
             if sorted(owners) not in owner_sets:
                 owner_sets.append(sorted(owners))
             name_owner_class.append(owner_sets.index(sorted(owners)))
@@ -208,8 +222,9 @@ class ShardedRDTTrainer:
             dist.all_gather_object(gathered, (str(self.folder), described))
         else:
             gathered = [(str(self.folder), described)]
-        if any(other[1] != described for other in gathered):
-            raise ValueError("WeightSource.metadata disagrees across trainer ranks.")
+        differing = [rank for rank, other in enumerate(gathered) if other[1] != described]
+        if differing:
+            raise ValueError(refuse("disagree", rank=init_info.rank, digest=hash(str(described)), ranks=differing[:4]))
         if init_info.is_sender:
             client.init_weight_transfer_engine(dict(
                 trainer_actor_names=[folder for folder, _ in gathered],
@@ -283,7 +298,8 @@ class WeightTransferTrainerFactory:
         api_snapshot.check_call(API, "WeightTransferTrainerFactory.trainer_init", *args, **kwargs)
         init_info = args[0] if args else kwargs["init_info"]
         if init_info.backend != "sharded_rdt":
-            raise ValueError(f"Invalid weight transfer backend: {init_info.backend}")
+            raise ValueError(api_snapshot.refusal("vllm", "weight_transfer_backend", backend=init_info.backend,
+                                                  available=["sharded_rdt"]))
         return ShardedRDTTrainer.trainer_init(init_info, client=kwargs["client"], source=kwargs.get("source"))
 
 

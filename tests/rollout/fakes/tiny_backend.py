@@ -1,7 +1,7 @@
 """What both fakes compute with: a transformers model that decodes one request at a time on CPU.
 
 It reproduces the engine behaviour the adapters depend on, which each fake configures: which tokens
-stop a request, that the stop tokens are tested before the length limit (and an abort before both), and
+stop a request, whether the stop tokens are tested before the length limit (an abort before both), and
 which distribution the returned log-probs are taken from, and a prefix cache that serves stale KV until dropped. Greedy picks the argmax (lowest id on ties),
 like both engines. ``routed_experts`` is what both engines' capturers hold for a sequence.
 """
@@ -13,17 +13,26 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from rlmega.rollout.hf_weights import HFWeightMap
+
+
+def _auto_class(path: str | Path):
+    """A causal LM's class, or a vision-language model's (Qwen2.5-VL): its text decoder answers token ids alone."""
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return AutoModelForCausalLM
+    return AutoModelForImageTextToText
 
 
 class TinyCausalLM:
     """A checkpoint's model with the engines' ``load_weights(iterable of (on-disk name, tensor))``."""
 
     def __init__(self, path: str | Path):
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                          attn_implementation="eager").eval().requires_grad_(False)
+        self.model = _auto_class(path).from_pretrained(path, dtype=torch.float32,
+                                                       attn_implementation="eager").eval().requires_grad_(False)
         self.weight_map = HFWeightMap(self.model)
         self.loaded: list[str] = []  # every name load_weights received, in order
         # The engines' prefix cache, coarsely: a greedy request whose prompt was seen is answered from the KV of
@@ -71,16 +80,15 @@ class TinyCausalLM:
 
     @torch.no_grad()
     def decode(self, prompt: list[int], *, max_tokens: int, stop_ids: set[int], temperature: float, top_k: int,
-               top_p: float, seed: int | None, logprobs_of: str,
+               top_p: float, seed: int | None, logprobs_of: str, stop_first: bool,
                aborted: Callable[[], bool] = lambda: False) -> tuple[list[int], list[float], str]:
         """Sample one response. ``top_k <= 0`` disables top-k. ``logprobs_of``: which distribution the
         log-probs are taken from: ``raw`` logits, ``scaled`` by the temperature (SGLang's default when
         sampling), or ``processed``: scaled, then top-k / top-p masked and renormalised (vLLM's
         ``processed_logprobs``). ``aborted()`` is asked after each token, before the stop and length rules
-        (SGLang's Req.update_finish_state: an aborted running request ends after one more decoding step). A stop
-        token drawn as the last allowed token is "stop": vLLM 0.33 tests the stop tokens first
-        (vllm/v1/core/sched/utils.py:98-119, check_stop), SGLang 0.5.23 too
-        (sglang/srt/managers/schedule_batch.py:2038-2043, update_finish_state)."""
+        (SGLang's Req.update_finish_state: an aborted running request ends after one more decoding step).
+        ``stop_first``: a stop token drawn as the last allowed token is "stop", not "length" (both engines' rule
+        ``stop_tokens_before_length`` in api/rules.json, which each fake passes)."""
         key = (tuple(prompt), max_tokens, frozenset(stop_ids), temperature, logprobs_of)
         greedy = temperature == 0 or top_k == 1
         if greedy and key in self.prefix_cache:
@@ -95,10 +103,8 @@ class TinyCausalLM:
         while True:
             logits = self.model(torch.tensor([prompt + tokens])).logits[0, -1].float()
             source = logits
-            if greedy:
+            if greedy:  # (vLLM's processed log-probs of top_k=1 at a temperature > 0: fake_vllm)
                 token = int(logits.argmax())
-                if temperature > 0 and logprobs_of == "processed":  # every other token masked: log-prob 0.0
-                    source = torch.full_like(logits, float("-inf")).index_fill_(0, torch.tensor([token]), 0.0)
             else:
                 scaled = logits / temperature
                 if 0 < top_k < scaled.numel():
@@ -116,7 +122,9 @@ class TinyCausalLM:
             logprobs.append(float(torch.log_softmax(source, dim=-1)[token]))
             if aborted():
                 return tokens, logprobs, "abort"
-            reason = "stop" if token in stop_ids else "length" if len(tokens) >= max_tokens else None
+            stopped, capped = token in stop_ids, len(tokens) >= max_tokens
+            reason = ("stop" if stopped else "length" if capped else None) if stop_first else \
+                ("length" if capped else "stop" if stopped else None)
             if reason is not None:
                 if greedy:
                     self.prefix_cache[key] = tokens, logprobs, reason
