@@ -30,8 +30,13 @@ EXTRAS_REQUIRE = {
     "sglang": ["sglang>=0.5.23,<0.5.24"],  # SGLang changes its Python API within 0.5.x
     # sync.transport=sharded_rdt: vLLM's transfer over Ray's direct transport (rlmega/sync/sharded_rdt_needs.py).
     "sharded_rdt": ["vllm>=0.33,<0.35", "ray[default]>=2.56,<3", "nixl>=1.5,<2"],
+    # rlmega.gateway: the OpenAI-compatible HTTP gateway in front of the engines (tested with fastapi 0.165,
+    # uvicorn 0.55).
+    "gateway": ["fastapi>=0.115,<1", "uvicorn>=0.30,<1"],
     "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "hypothesis>=6.100,<7",
-             "import-linter>=2.16,<3"],  # tests/import_contracts.ini: the layers, checked with the suite
+             "import-linter>=2.16,<3",  # tests/import_contracts.ini: the layers, checked with the suite
+             # the gateway's tests drive it with the real openai client (tested with openai 2.54)
+             "fastapi>=0.115,<1", "uvicorn>=0.30,<1", "openai>=1.50,<3", "httpx>=0.27,<1"],
     # benchmarks/peer_trl.py: TRL's GRPOTrainer on the same job. TRL's requirements that rlmega does not
     # already have (tested with accelerate 1.15.0, datasets 5.2.0, pandas 3.1.1); none replaces torch.
     "bench": ["trl==1.16.0", "accelerate>=1.10.1,<2", "datasets>=4.7,<6", "pandas>=2.1.1,<4"],

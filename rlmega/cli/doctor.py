@@ -69,6 +69,8 @@ DEPENDENCIES = (
     Dependency("sglang", required=False),
     Dependency(sharded_rdt_needs.NIXL, required=False),
     Dependency("mbridge", required=False),
+    Dependency("fastapi", required=False, install="pip install -e .[gateway]"),  # rlmega gateway
+    Dependency("uvicorn", required=False, install="pip install -e .[gateway]"),
     Dependency("hypothesis", required=False),
     Dependency("pytest", required=False),
     Dependency("tensorboard", required=False),

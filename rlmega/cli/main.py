@@ -14,7 +14,7 @@ import sys
 from typing import Callable, Dict, List, Optional, Tuple
 
 import rlmega
-from rlmega.cli import convert, doctor, plan, sft, smoke, train
+from rlmega.cli import convert, doctor, gateway, plan, sft, smoke, train
 from rlmega.cli.interrupts import interrupts_end, print_interrupted
 from rlmega.errors import RunFailure, UserError
 
@@ -30,6 +30,7 @@ SUBCOMMANDS: Dict[str, Tuple[str, AddArguments, Run]] = {
     "doctor": (doctor.HELP, doctor.add_arguments, doctor.run),
     "convert": (convert.HELP, convert.add_arguments, convert.run),
     "plan": (plan.HELP, plan.add_arguments, plan.run),
+    "gateway": (gateway.HELP, gateway.add_arguments, gateway.run),
 }
 
 DESCRIPTION = (

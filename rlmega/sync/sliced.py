@@ -167,8 +167,8 @@ class SlicedTransport:
             if self.rank == 0:
                 done = [f"{prefix}done/{_engine_group_rank(self.plan, self.world, e, r)}"
                         for e in range(len(self.plan.placement.engine_gpus)) for r in range(self.plan.layout.world_size)]
-                watch.until(lambda: self._channel.has(done), "the engine ranks to receive every block", finishing=True,
-                            block=lambda seconds: self._channel.wait_for(done, seconds))
+                # Polled (a blocking wait on the store logs each time it runs out).
+                watch.until(lambda: self._channel.has(done), "the engine ranks to receive every block", finishing=True)
                 watch.finish()
                 self._channel.forget(*done)
         except BaseException as error:
