@@ -142,6 +142,11 @@ def check_settings(config: RLConfig) -> None:
                                              config.rollout.gpus_of_one_engine):
         raise ConfigError(f"{key}: {problem}")
     _require(config.rollout.num_engines >= 1, "rollout.num_engines", "must be >= 1")
+    if config.gateway.enabled:
+        _require(not config.agent.enabled, "gateway.enabled",
+                 "the harness makes the trajectories, so agent.enabled must be false (use one or the other)")
+        _require(config.rollout.mode != "async", "gateway.enabled",
+                 "rollout.mode=async does not run a harness yet: use rollout.mode=sync or one_step_off")
     _check_devices(config)
     rollout = config.rollout
     for field in ("tensor_parallel_size", "data_parallel_size", "expert_parallel_size"):

@@ -12,6 +12,7 @@ import os
 from typing import Any, Optional
 
 from rlmega.agent.config import AgentConfig
+from rlmega.gateway.config import GatewayConfig
 from rlmega.algos.rollout_correction import RolloutCorrectionConfig
 from rlmega.data import DataConfig
 from rlmega.parallel.layout import LayoutConfig
@@ -383,6 +384,9 @@ class RLConfig:
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
     """Multi-turn rollouts with tool calls and environments (rlmega/agent/README.md); off by default."""
+    gateway: GatewayConfig = dataclasses.field(default_factory=GatewayConfig)
+    """Rollouts made by an agent harness written for the ``openai`` client, through the OpenAI-compatible gateway
+    (rlmega/gateway/README.md); off by default."""
     sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from rlmega.agent.parsers import hermes_parser
+from rlmega.agent.parsers import Parser, as_tool_call, hermes_parser
 from rlmega.agent.template import ChatTokens
 from rlmega.errors import UserError
 from rlmega.gateway.sessions import Segment, Session, SessionStore
@@ -65,9 +65,15 @@ class Gateway:
     def __init__(self, generate: Callable[[list[list[int]], SamplingParams], list[Generation]], tokenizer: Any, *,
                  host: str = "127.0.0.1", port: int = 0, token: Optional[str] = None,
                  max_request_bytes: int = MAX_REQUEST_BYTES, timeout_s: float = 300.0,
-                 stop_token_ids: Optional[tuple[int, ...]] = None, store: Optional[SessionStore] = None):
+                 stop_token_ids: Optional[tuple[int, ...]] = None, store: Optional[SessionStore] = None,
+                 parser: Parser = hermes_parser,
+                 params_for: Optional[Callable[[str, SamplingParams], SamplingParams]] = None):
+        """``parser``: how a reply's tool calls are read (``hermes``, or ``agent.parser``'s kind of function);
+        ``params_for(session_id, asked)``: the sampling parameters a call runs with (a training run's own),
+        instead of the ones the harness asked for."""
         self.check_binding(host, token)
         self.generate, self.tokenizer = generate, tokenizer
+        self.parser, self.params_for = parser, params_for
         self.host, self.port, self.token = host, port, token
         self.max_request_bytes, self.timeout_s = max_request_bytes, timeout_s
         self.stop_token_ids = tuple(stop_token_ids if stop_token_ids is not None else [tokenizer.eos_token_id])
@@ -101,7 +107,7 @@ class Gateway:
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise RequestError("prompt must be one string (one trajectory per session)")
-        params = _sampling(body, self.stop_token_ids)
+        params = self._params(session_id, body)
         with self._lock(session_id):
             session = self.sessions.get(session_id)
             segment = session.segments[-1] if session.segments else None
@@ -127,7 +133,7 @@ class Gateway:
         messages, tools = body.get("messages"), body.get("tools") or None
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise RequestError("messages must be a non-empty list of message objects")
-        params = _sampling(body, self.stop_token_ids)
+        params = self._params(session_id, body)
         chat = ChatTokens(self.tokenizer, tools=tools, stop_token_ids=self.stop_token_ids)
         with self._lock(session_id):
             session = self.sessions.get(session_id)
@@ -163,6 +169,10 @@ class Gateway:
 
     # ---- helpers --------------------------------------------------------------------------------------------------
 
+    def _params(self, session_id: str, body: dict) -> SamplingParams:
+        asked = _sampling(body, self.stop_token_ids)
+        return asked if self.params_for is None else self.params_for(session_id, asked)
+
     def _lock(self, session_id: str) -> threading.Lock:
         return self._locks.setdefault(session_id, threading.Lock())
 
@@ -180,10 +190,11 @@ class Gateway:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _assistant_message(self, text: str, generation: Generation) -> dict:
-        calls = [call for call in hermes_parser(text) if call.error is None]
+        calls = [call for call in map(as_tool_call, self.parser(text)) if call.error is None]
         message: dict = {"role": "assistant", "content": text}
         if calls:
-            message["content"] = text[:text.find("<tool_call>")].strip() or None
+            if self.parser is hermes_parser:  # the text around the calls is the reply's content
+                message["content"] = text[:text.find("<tool_call>")].strip() or None
             message["tool_calls"] = [
                 {"id": f"call_{secrets.token_hex(6)}", "type": "function",
                  "function": {"name": call.name, "arguments": json.dumps(call.arguments)}} for call in calls]
@@ -248,6 +259,8 @@ class Gateway:
                 return error(f"the engine did not answer within {self.timeout_s:g} s", 504)
             except OverflowError as full:
                 return error(str(full), 503)
+            except KeyError as closed:
+                return error(closed.args[0], 404)
 
         for prefix in ("/v1", "/sessions/{session_id}/v1"):
             @app.post(prefix + "/completions")

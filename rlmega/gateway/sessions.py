@@ -67,16 +67,24 @@ class Session:
 class SessionStore:
     """Every session of the gateway, by id, behind one lock (the server's handlers run on several threads)."""
 
-    def __init__(self, max_sessions: int = 10_000):
-        self.max_sessions = max_sessions
+    def __init__(self, max_sessions: int = 10_000, *, opened_only: bool = False):
+        """``opened_only``: calls only for sessions ``open`` made (a training run's), not any id a client names."""
+        self.max_sessions, self.opened_only = max_sessions, opened_only
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self.new_segments = 0
         """Calls whose prompt did not extend their session's context (a new segment each)."""
 
+    def open(self, session_id: str) -> Session:
+        with self._lock:
+            session = self._sessions[session_id] = Session(session_id)
+            return session
+
     def get(self, session_id: str) -> Session:
         with self._lock:
             session = self._sessions.get(session_id)
+            if session is None and self.opened_only:
+                raise KeyError(f"no open session {session_id!r}: the run opens one per trajectory")
             if session is None:
                 if len(self._sessions) >= self.max_sessions:
                     raise OverflowError(f"the gateway holds {self.max_sessions} sessions; collect finished ones "

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any, Optional, Protocol, Sequence
 
 from rlmega.agent.config import AgentConfig
+from rlmega.gateway.config import GatewayConfig
 from rlmega.data.schema import PromptRecord
 from rlmega.errors import UserError
 from rlmega.rollout.protocol import Generation, SamplingParams
@@ -43,11 +44,17 @@ class GeneratorConfig:
     """``data.use_chat_template`` (the agent loop requires it)."""
     chat_template_kwargs: dict
     """``data.chat_template_kwargs``, for the agent loop's turns."""
+    gateway: Optional[GatewayConfig] = None
+    """``gateway`` when ``gateway.enabled``: every response made by the agent harness through the gateway."""
 
     def build(self, tokenizer: Any) -> ResponseGenerator:
         agent = None
         stop_token_ids = (tokenizer.eos_token_id,)
-        if self.agent is not None:
+        if self.gateway is not None:
+            from rlmega.gateway.harness import HarnessLoop
+
+            agent = HarnessLoop(self.gateway, tokenizer, stop_token_ids=stop_token_ids)
+        elif self.agent is not None:
             from rlmega.agent.loop import AgentLoop
 
             if not self.use_chat_template:
@@ -65,7 +72,8 @@ class ResponseGenerator:
         self.config = config
         self.stop_token_ids = stop_token_ids
         self.agent = agent
-        """With ``agent.enabled``, the multi-turn loop (``rlmega.agent``) that produces every response."""
+        """With ``agent.enabled``, the multi-turn loop (``rlmega.agent``) that produces every response; with
+        ``gateway.enabled``, the agent harness through the gateway (``rlmega.gateway.harness``)."""
 
     def generate(self, engines: Generator, records: Sequence[PromptRecord], params: SamplingParams) -> list[Generation]:
         """``params.n`` responses per record, prompt-major: one generation each, or the agent loop's trajectories."""

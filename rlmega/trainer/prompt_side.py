@@ -58,18 +58,20 @@ def build_prompt_side(config: RLConfig, datasets: Optional[PromptDatasets] = Non
     ``cluster.start_reward_workers``) belong to the prompt side from here on: its scorer scores with them and
     ``close`` shuts them down."""
     rollout, trainer, algorithm, agent = config.rollout, config.trainer, config.algorithm, config.agent
+    multi_turn = agent.enabled or config.gateway.enabled  # trajectories with masked tokens between the policy's
     remax = algorithm.adv_estimator == "remax"
     data = PromptDataConfig(
         model_path=config.model.path, tokenizer_path=config.model.tokenizer_path, data=config.data,
         val_data=config.val_data if trainer.val_every else None, prompts_per_step=trainer.prompts_per_step,
         seed=trainer.seed, total_steps=trainer.total_steps, total_epochs=trainer.total_epochs,
-        multi_turn=agent.enabled,
+        multi_turn=multi_turn,
     ).build(datasets)
     generator = GeneratorConfig(
         temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
         max_new_tokens=rollout.max_new_tokens, n=rollout.n, seed=trainer.seed,
         agent=agent if agent.enabled else None, use_chat_template=config.data.use_chat_template,
         chat_template_kwargs=config.data.chat_template_kwargs,
+        gateway=config.gateway if config.gateway.enabled else None,
     ).build(data.tokenizer)
     try:
         scorer = ScorerConfig(
@@ -85,7 +87,7 @@ def build_prompt_side(config: RLConfig, datasets: Optional[PromptDatasets] = Non
         generator.close()
         raise
     assembler = AssemblyConfig(temperature=rollout.temperature, filter_truncated=algorithm.filter_truncated,
-                               multi_turn=agent.enabled, greedy_baseline=remax).build()
+                               multi_turn=multi_turn, greedy_baseline=remax).build()
     step_rollouts = StepRollouts(
         StepRolloutsConfig(prompts_per_step=trainer.prompts_per_step, dynamic_sampling=algorithm.dynamic_sampling,
                            dynamic_sampling_metric=algorithm.dynamic_sampling_metric,

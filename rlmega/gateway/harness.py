@@ -1,0 +1,146 @@
+"""Rollouts made by an agent harness through the gateway: the run's ``gateway:`` section at work.
+
+For each prompt record and each of its ``n`` samples the loop opens a session, calls the user's harness with the
+session's ``base_url`` and the example (on a thread; at most ``max_concurrent_sessions`` at once), and turns what the
+session recorded into a ``Trajectory`` as the agent loop makes them: the first segment's prompt, its response ids,
+the mask over the policy's tokens, the engine's log-probs. The harness's own reward (returned, or posted to
+``/v1/sessions/{id}/reward``) is added to the reward manager's score (``env_reward``).
+
+The harness's engine calls run with the run's sampling parameters (its temperature and top-p; ``max_tokens`` at most
+``rollout.max_new_tokens``), batched: calls that arrive together go to the engines as one request. The order in
+which an external harness calls is its own, so a run through the gateway does not repeat sample for sample.
+
+A session whose harness raised or ran past ``session_timeout_s`` is lost: its trajectory is the prompt alone with
+nothing to train on (masked), and ``gateway/lost_sessions`` counts it; so is a session with no call. Segments after
+a session's first (a harness that rewrote its history) are counted (``gateway/extra_segments``), not trained on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, Optional, Sequence
+
+from rlmega.agent.functions import load_callable
+from rlmega.agent.loop import Trajectory
+from rlmega.agent.parsers import load_parser
+from rlmega.gateway.config import GatewayConfig
+from rlmega.gateway.server import Gateway
+from rlmega.gateway.sessions import SessionStore
+from rlmega.rollout.protocol import Generation, SamplingParams
+
+
+class _Batcher:
+    """Engine calls from many sessions' threads, sent to the engines together: whatever is waiting when the engines
+    are free goes as one request (per set of sampling parameters)."""
+
+    def __init__(self):
+        self.generator = None
+        self._queue: "queue.Queue[tuple[list[int], SamplingParams, Future]]" = queue.Queue()
+        self._requests = 0
+        threading.Thread(target=self._serve, name="rlmega-gateway-batcher", daemon=True).start()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        futures = []
+        for prompt in prompts:
+            futures.append(Future())
+            self._queue.put((prompt, params, futures[-1]))
+        return [dataclasses.replace(future.result(), prompt_index=index) for index, future in enumerate(futures)]
+
+    def _serve(self) -> None:
+        while True:
+            waiting = [self._queue.get()]
+            while not self._queue.empty():
+                waiting.append(self._queue.get_nowait())
+            groups: dict = {}
+            for item in waiting:
+                groups.setdefault(item[1], []).append(item)
+            for params, items in groups.items():
+                self._requests += 1
+                seeded = params if params.seed is None else dataclasses.replace(
+                    params, seed=(params.seed + 104_729 * self._requests) % 2**31)  # no two requests alike
+                try:
+                    generations = self.generator.generate([prompt for prompt, _, _ in items], seeded)
+                    for (_, _, future), generation in zip(items, sorted(generations, key=lambda g: g.prompt_index)):
+                        future.set_result(generation)
+                except BaseException as error:  # noqa: BLE001 - every waiting call gets the engines' error
+                    for _, _, future in items:
+                        future.set_exception(error)
+
+
+def example_of(record) -> dict[str, Any]:
+    """What the harness gets of a prompt record."""
+    return {"messages": record.messages, "ground_truth": record.ground_truth, "data_source": record.data_source,
+            "extra_info": getattr(record, "extra_info", None), "index": record.index}
+
+
+class HarnessLoop:
+    """``run(generator, records, params)`` like ``AgentLoop.run``: ``params.n`` trajectories per record."""
+
+    def __init__(self, config: GatewayConfig, tokenizer: Any, *, stop_token_ids: Sequence[int]):
+        self.config, self.tokenizer = config, tokenizer
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.harness = load_callable(config.harness)
+        self.store = SessionStore(opened_only=True)
+        self._batcher = _Batcher()
+        self._params: Optional[SamplingParams] = None
+        self.gateway: Optional[Gateway] = None
+        self.lost_sessions = 0
+        self.extra_segments = 0
+
+    def _params_for(self, session_id: str, asked: SamplingParams) -> SamplingParams:
+        run = self._params
+        return dataclasses.replace(run, n=1, max_new_tokens=min(asked.max_new_tokens, run.max_new_tokens))
+
+    def run(self, generator, records: Sequence, params: SamplingParams) -> list[Trajectory]:
+        self._batcher.generator, self._params = generator, params
+        if self.gateway is None:
+            config = self.config
+            self.gateway = Gateway(self._batcher.generate, self.tokenizer, host=config.host, port=config.port,
+                                   token=config.token, stop_token_ids=self.stop_token_ids, store=self.store,
+                                   parser=load_parser(self.config.parser), params_for=self._params_for,
+                                   timeout_s=config.session_timeout_s).serve()
+        batch = uuid.uuid4().hex[:8]
+        sessions = [(f"{batch}-{index}-{sample}", record) for index, record in enumerate(records)
+                    for sample in range(params.n)]
+        for session_id, _ in sessions:
+            self.store.open(session_id)
+        pool = ThreadPoolExecutor(self.config.max_concurrent_sessions, thread_name_prefix="rlmega-harness")
+        futures = [pool.submit(self.harness, self.gateway.session_url(session_id), example_of(record))
+                   for session_id, record in sessions]
+        wait(futures, timeout=self.config.session_timeout_s)
+        pool.shutdown(wait=False, cancel_futures=True)
+        return [self._trajectory(index, session_id, record, future)
+                for index, ((session_id, record), future) in enumerate(zip(sessions, futures))]
+
+    def _trajectory(self, index: int, session_id: str, record, future: Future) -> Trajectory:
+        session = self.store.pop(session_id)
+        reward = future.result() if future.done() and future.exception() is None else None
+        if session is None or not session.segments or not future.done() or future.exception() is not None:
+            self.lost_sessions += 1
+            return Trajectory(index // max(1, self._params.n), [], [], "abort", -1,
+                              prompt_token_ids=list(record.prompt_token_ids), loss_mask=[])
+        self.extra_segments += len(session.segments) - 1
+        segment = session.segments[0]
+        harness_reward = session.reward if session.reward is not None else reward
+        last_policy = max((i for i, kept in enumerate(segment.response_mask) if kept), default=-1)
+        ended = segment.response_ids[last_policy] in self.stop_token_ids if last_policy >= 0 else False
+        return Trajectory(index // self._params.n, list(segment.response_ids), list(segment.rollout_logprobs),
+                          "stop" if ended else "length", min(segment.weight_versions),
+                          prompt_token_ids=list(segment.prompt_ids), loss_mask=list(segment.response_mask),
+                          messages=list(segment.messages or []), num_turns=len(segment.weight_versions),
+                          env_reward=float(harness_reward or 0.0))
+
+    def metrics(self) -> dict[str, float]:
+        counts = {"gateway/lost_sessions": float(self.lost_sessions), "gateway/extra_segments":
+                  float(self.extra_segments), "gateway/new_segments": float(self.store.new_segments)}
+        self.lost_sessions = self.extra_segments = 0
+        return counts
+
+    def close(self) -> None:
+        if self.gateway is not None:
+            self.gateway.close()
+            self.gateway = None
