@@ -10,9 +10,10 @@ The harness's engine calls run with the run's sampling parameters (its temperatu
 ``rollout.max_new_tokens``), batched: calls that arrive together go to the engines as one request. The order in
 which an external harness calls is its own, so a run through the gateway does not repeat sample for sample.
 
-A session whose harness raised or ran past ``session_timeout_s`` is lost: its trajectory is the prompt alone with
-nothing to train on (masked), and ``gateway/lost_sessions`` counts it; so is a session with no call. Segments after
-a session's first (a harness that rewrote its history) are counted (``gateway/extra_segments``), not trained on.
+A session whose harness raised or ran past ``session_timeout_s`` is lost: its trajectory is the prompt and one masked
+stop token, nothing to train on, and ``gateway/lost_sessions`` counts it; so is a session with no call. Segments
+after a session's first (a harness that rewrote its history) are counted (``gateway/extra_segments``), not trained
+on.
 """
 
 from __future__ import annotations
@@ -71,10 +72,29 @@ class _Batcher:
                         future.set_exception(error)
 
 
-def example_of(record) -> dict[str, Any]:
-    """What the harness gets of a prompt record."""
+def example_of(record, sample: int) -> dict[str, Any]:
+    """What the harness gets of a prompt record, for its ``sample``-th trajectory of the record."""
     return {"messages": record.messages, "ground_truth": record.ground_truth, "data_source": record.data_source,
-            "extra_info": getattr(record, "extra_info", None), "index": record.index}
+            "extra_info": getattr(record, "extra_info", None), "index": record.index, "sample": sample}
+
+
+@dataclasses.dataclass
+class SessionTrajectory(Trajectory):
+    """A trajectory made through the gateway, with what its session lost."""
+
+    lost: bool = False
+    """The harness raised, ran past ``session_timeout_s`` or made no call: nothing to train on."""
+    extra_segments: int = 0
+    """Segments after the first (not trained on)."""
+
+
+def gateway_metrics(trajectories: Sequence[SessionTrajectory]) -> dict[str, float]:
+    """``gateway/...`` metrics of a step's trajectories."""
+    count = max(len(trajectories), 1)
+    return {"gateway/lost_sessions": float(sum(t.lost for t in trajectories)),
+            "gateway/lost_session_fraction": sum(t.lost for t in trajectories) / count,
+            "gateway/extra_segments": float(sum(t.extra_segments for t in trajectories)),
+            "gateway/calls_mean": sum(t.num_turns for t in trajectories) / count}
 
 
 class HarnessLoop:
@@ -88,8 +108,6 @@ class HarnessLoop:
         self._batcher = _Batcher()
         self._params: Optional[SamplingParams] = None
         self.gateway: Optional[Gateway] = None
-        self.lost_sessions = 0
-        self.extra_segments = 0
 
     def _params_for(self, session_id: str, asked: SamplingParams) -> SamplingParams:
         run = self._params
@@ -104,41 +122,35 @@ class HarnessLoop:
                                    parser=load_parser(self.config.parser), params_for=self._params_for,
                                    timeout_s=config.session_timeout_s).serve()
         batch = uuid.uuid4().hex[:8]
-        sessions = [(f"{batch}-{index}-{sample}", record) for index, record in enumerate(records)
+        sessions = [(f"{batch}-{index}-{sample}", record, sample) for index, record in enumerate(records)
                     for sample in range(params.n)]
-        for session_id, _ in sessions:
+        for session_id, _, _ in sessions:
             self.store.open(session_id)
         pool = ThreadPoolExecutor(self.config.max_concurrent_sessions, thread_name_prefix="rlmega-harness")
-        futures = [pool.submit(self.harness, self.gateway.session_url(session_id), example_of(record))
-                   for session_id, record in sessions]
+        futures = [pool.submit(self.harness, self.gateway.session_url(session_id), example_of(record, sample))
+                   for session_id, record, sample in sessions]
         wait(futures, timeout=self.config.session_timeout_s)
         pool.shutdown(wait=False, cancel_futures=True)
         return [self._trajectory(index, session_id, record, future)
-                for index, ((session_id, record), future) in enumerate(zip(sessions, futures))]
+                for index, ((session_id, record, _), future) in enumerate(zip(sessions, futures))]
 
-    def _trajectory(self, index: int, session_id: str, record, future: Future) -> Trajectory:
+    def _trajectory(self, index: int, session_id: str, record, future: Future) -> SessionTrajectory:
         session = self.store.pop(session_id)
-        reward = future.result() if future.done() and future.exception() is None else None
-        if session is None or not session.segments or not future.done() or future.exception() is not None:
-            self.lost_sessions += 1
-            return Trajectory(index // max(1, self._params.n), [], [], "abort", -1,
-                              prompt_token_ids=list(record.prompt_token_ids), loss_mask=[])
-        self.extra_segments += len(session.segments) - 1
+        failed = not future.done() or future.exception() is not None
+        prompt_index = index // self._params.n
+        if failed or session is None or not session.segments:
+            # Nothing to train on: the prompt and one masked stop token (a response is never empty).
+            return SessionTrajectory(prompt_index, [self.stop_token_ids[0]], [0.0], "abort", -1,
+                                     prompt_token_ids=list(record.prompt_token_ids), loss_mask=[0], lost=True)
         segment = session.segments[0]
-        harness_reward = session.reward if session.reward is not None else reward
+        reward = session.reward if session.reward is not None else future.result()
         last_policy = max((i for i, kept in enumerate(segment.response_mask) if kept), default=-1)
-        ended = segment.response_ids[last_policy] in self.stop_token_ids if last_policy >= 0 else False
-        return Trajectory(index // self._params.n, list(segment.response_ids), list(segment.rollout_logprobs),
-                          "stop" if ended else "length", min(segment.weight_versions),
-                          prompt_token_ids=list(segment.prompt_ids), loss_mask=list(segment.response_mask),
-                          messages=list(segment.messages or []), num_turns=len(segment.weight_versions),
-                          env_reward=float(harness_reward or 0.0))
-
-    def metrics(self) -> dict[str, float]:
-        counts = {"gateway/lost_sessions": float(self.lost_sessions), "gateway/extra_segments":
-                  float(self.extra_segments), "gateway/new_segments": float(self.store.new_segments)}
-        self.lost_sessions = self.extra_segments = 0
-        return counts
+        ended = last_policy >= 0 and segment.response_ids[last_policy] in self.stop_token_ids
+        return SessionTrajectory(prompt_index, list(segment.response_ids), list(segment.rollout_logprobs),
+                                 "stop" if ended else "length", min(segment.weight_versions),
+                                 prompt_token_ids=list(segment.prompt_ids), loss_mask=list(segment.response_mask),
+                                 messages=list(segment.messages or []), num_turns=len(segment.weight_versions),
+                                 env_reward=float(reward or 0.0), extra_segments=len(session.segments) - 1)
 
     def close(self) -> None:
         if self.gateway is not None:

@@ -127,6 +127,10 @@ def generation_metrics(scores: torch.Tensor, generations: list[Generation],
         from rlmega.agent.loop import agent_metrics
 
         metrics.update(agent_metrics(generations))
+    if generations and hasattr(generations[0], "lost"):  # made by a harness through the gateway
+        from rlmega.gateway.harness import gateway_metrics
+
+        metrics.update(gateway_metrics(generations))
     return metrics
 
 

@@ -6,6 +6,7 @@ refuses the combinations that cannot work, in one line each."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -37,6 +38,19 @@ def test_grpo_trains_through_the_gateway(tmp_path, assets):
         assert row["sync/max_logprob_diff"] < 1e-3
         # What the gateway recorded is what the engine computed on the ids the trainer scores.
         assert row["mismatch/abs_log_prob_diff_max"] < 1e-3
+
+
+@pytest.mark.timeout(400)
+def test_a_harness_that_crashes_loses_only_its_sessions(tmp_path, assets):
+    harness = f"{Path(__file__).parent / 'lossy_harness.py'}:run"
+    result = _train(tmp_path / "run", assets, "gateway.enabled=true", f"gateway.harness={harness}",
+                    "trainer.total_steps=1")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (row,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+              if "actor/pg_loss" in line]
+    # The first of each prompt's 4 sessions crashes and trains nothing; the other 12 train.
+    assert row["gateway/lost_sessions"] == 4 and row["gateway/lost_session_fraction"] == 0.25
+    assert row["gateway/calls_mean"] == 0.75
 
 
 @pytest.mark.parametrize("overrides, message", [
