@@ -114,10 +114,7 @@ class Gateway:
             if segment is not None and segment.messages is None and prompt.startswith(segment.context_text):
                 new_ids = self._encode(prompt[len(segment.context_text):])
             else:
-                self.sessions.count_new_segment(session)
-                segment = Segment(self._encode(prompt))
-                session.segments.append(segment)
-                new_ids = []
+                segment, new_ids = self._new_segment(session, self._encode(prompt)), []
             generation = self._generate(segment.context_ids + new_ids, params)
             text = self._text(generation)
             segment.add_turn(new_ids, generation)
@@ -143,10 +140,7 @@ class Gateway:
                     [_normalized(m) for m in messages[:len(known)]] == [_normalized(m) for m in known]:
                 new_ids = chat.glue_ids(known, messages[len(known):])
             else:
-                self.sessions.count_new_segment(session)
-                segment = Segment(chat.prompt_ids(messages))
-                session.segments.append(segment)
-                new_ids = []
+                segment, new_ids = self._new_segment(session, chat.prompt_ids(messages)), []
             generation = self._generate(segment.context_ids + new_ids, params)
             message = self._assistant_message(self._text(generation), generation)
             segment.add_turn(new_ids, generation)
@@ -168,6 +162,12 @@ class Gateway:
         return {"id": session_id, "reward": session.reward}
 
     # ---- helpers --------------------------------------------------------------------------------------------------
+
+    def _new_segment(self, session: Session, prompt_ids: list[int]) -> Segment:
+        """A call that does not extend the session's context starts a segment (counted after the first)."""
+        self.sessions.count_new_segment(session)
+        session.segments.append(Segment(prompt_ids))
+        return session.segments[-1]
 
     def _params(self, session_id: str, body: dict) -> SamplingParams:
         asked = _sampling(body, self.stop_token_ids)
