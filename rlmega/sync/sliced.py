@@ -39,8 +39,9 @@ from rlmega.sync.broadcast import store_group
 from rlmega.sync.config import SLICED
 from rlmega.sync.control import POLL_MAX_S, POLL_MIN_S, Address, Channel, Watch, report_failure
 from rlmega.sync.errors import TransportError
+from rlmega.sync.sliced_in_node import StoreWait, receive_in_node, send_in_node
 from rlmega.sync.stats import SyncStats
-from rlmega.sync.transfer_plan import LINKS, Placement, TransferPlan, plan_transfer
+from rlmega.sync.transfer_plan import LINKS, NETWORK, Placement, TransferPlan, plan_transfer
 from rlmega.sync.transports import DEFAULT_TIMEOUT_S, in_thread, start_update
 
 
@@ -82,13 +83,21 @@ class _Poll:
             pause = min(2 * pause, POLL_MAX_S)
 
     def works(self, works: list, what: str) -> None:
+        """Wait for process-group works and in-node transfers (``StoreWait``) alike."""
+        in_node = [work for work in works if isinstance(work, StoreWait)]
         # gloo's point-to-point works complete only inside wait(): each is waited for on a thread of its own.
-        waits = [in_thread(work.wait) for work in works]
-        self.until(lambda: all(wait.done() for wait in waits), what)
+        waits = [in_thread(work.wait) for work in works if not isinstance(work, StoreWait)]
+        self.until(lambda: all(wait.done() for wait in waits) and all(work.ready() for work in in_node), what)
         for wait in waits:
             if wait.exception() is not None:  # a peer left: say why, if a training rank posted it
                 self.check()
                 raise TransportError(f"{what} failed: {wait.exception()}") from wait.exception()
+        for work in in_node:
+            try:
+                work.finish()
+            except Exception as error:  # a buffer its sender let go of on an abort: say why, if one was posted
+                self.check()
+                raise TransportError(f"{what} failed: {type(error).__name__}: {error}") from error
 
 
 class SlicedTransport:
@@ -124,6 +133,7 @@ class SlicedTransport:
         self._update = 0
         self._listened = False
         self._failed = False
+        self._outstanding: list = []  # in-node buffers not yet acknowledged
 
     @property
     def receiver_count(self) -> int:
@@ -137,6 +147,8 @@ class SlicedTransport:
         if self._channel is None or self._failed:
             self._channel, self._address = Channel.serve(self.host, self.timeout_s)
             self._group, self._failed = None, False
+        elif self._update:
+            self._channel.forget(f"{self._update}/commit")  # every receiver of that update has read it by now
         self._update += 1
         self._listened = True
         world = self.world + self.receiver_count
@@ -162,30 +174,53 @@ class SlicedTransport:
         prefix = f"{update}/"
         watch = Watch(futures, self.timeout_s, self._channel, prefix)
         moved = {"tensors": 0, "bytes": 0}
+        failure: Optional[BaseException] = None
         try:
             self._send(_Poll(self._channel, prefix, self.timeout_s, watch), moved)
+        except BaseException as error:  # noqa: BLE001 - told to the receivers and the other ranks, then raised
+            failure = error
+            self._abort(prefix, f"training rank {self.rank}: {type(error).__name__}: {error}", watch)
+        # The engines commit all or none: each rank says how its sending went, and the receivers wait for the
+        # commit that rank 0 posts only when every rank sent everything.
+        outcomes: list = [None] * self.world
+        dist.all_gather_object(outcomes, None if failure is None else f"training rank {self.rank}: "
+                                                                      f"{type(failure).__name__}: {failure}")
+        failed = [outcome for outcome in outcomes if outcome]
+        try:
+            if failed:
+                if failure is None:
+                    self._abort(prefix, failed[0], watch)
+                raise TransportError(f"sliced weight transfer failed: {failed[0]}") from failure
             if self.rank == 0:
                 done = [f"{prefix}done/{_engine_group_rank(self.plan, self.world, e, r)}"
                         for e in range(len(self.plan.placement.engine_gpus)) for r in range(self.plan.layout.world_size)]
                 # Polled (a blocking wait on the store logs each time it runs out).
                 watch.until(lambda: self._channel.has(done), "the engine ranks to receive every block", finishing=True)
-                watch.finish()
+                self._channel.post(f"{prefix}commit", None)
                 self._channel.forget(*done)
+                watch.finish()
         except BaseException as error:
-            reason = f"training rank {self.rank}: {type(error).__name__}: {error}"
-            try:
-                self._channel.post(f"{prefix}abort", reason)
-            except Exception:  # the store may be gone; the receivers then time out on their own
-                pass
-            watch.settle()
+            if not failed:
+                self._abort(prefix, f"training rank {self.rank}: {type(error).__name__}: {error}", watch)
             # The next update starts on a new store and group, on every side (rank 0 keeps this store until then,
             # for the peers still to read the abort).
             self._group, self._failed = None, True
             if isinstance(error, TransportError):
                 raise
-            raise TransportError(f"sliced weight transfer failed: {reason}") from error
+            raise TransportError(f"sliced weight transfer failed: {error}") from error
         return SyncStats(version=version, seconds=time.perf_counter() - started,
                          transport=SLICED if self.rank == 0 else None, **moved)
+
+    def _abort(self, prefix: str, reason: str, watch: Watch) -> None:
+        """Tell the receivers the update is off (they fail their engines' updates), and let go of shared buffers."""
+        try:
+            self._channel.post(f"{prefix}abort", reason)
+        except Exception:  # the store may be gone; the receivers then time out on their own
+            pass
+        watch.settle()
+        for block in list(self._outstanding):
+            block.release()
+        self._outstanding.clear()
 
     def _send(self, poll: _Poll, moved: dict) -> None:
         held = self.held_pieces(self.chunks, self.spec)
@@ -219,7 +254,11 @@ class SlicedTransport:
                 flat = torch.cat(blocks)
                 if self.backend == "nccl":
                     flat = flat.cuda()
-                works.append(group.send([flat], dst, bucket_index))
+                if links[dst] == NETWORK:
+                    works.append(group.send([flat], dst, bucket_index))
+                else:  # the same node: shared memory, CUDA IPC on GPU (sliced_in_node)
+                    works.append(send_in_node(self._channel, poll.prefix, bucket_index, self.rank, dst, flat,
+                                              self._outstanding))
                 buffers.append(flat)  # alive until the send completes
                 self.sent[links[dst]] += flat.numel() * flat.element_size()
                 moved["bytes"] += flat.numel() * flat.element_size()
@@ -270,15 +309,18 @@ class SlicedReceiver:
                     channel.store, self.group_rank, self.world, self.backend, self.address.timeout_s))
             _, channel, group = kept
             poll = _Poll(channel, prefix, self.address.timeout_s)
-            pending = self._post(group, 0)
+            pending = self._post(group, channel, prefix, 0)
             for bucket_index in range(len(self.buckets)):
                 receives, regions = pending
                 poll.works([work for work, _, _ in receives], f"bucket {bucket_index} from the training ranks")
-                pending = self._post(group, bucket_index + 1) if bucket_index + 1 < len(self.buckets) else None
+                pending = (self._post(group, channel, prefix, bucket_index + 1)
+                           if bucket_index + 1 < len(self.buckets) else None)
                 self._unpack(receives, regions)
                 for name, (region, _) in regions.items():
                     yield name, region
             channel.post(f"{prefix}done/{self.group_rank}", None)
+            # All or none: the engine commits only once every training rank has sent everything.
+            poll.until(lambda: channel.has([f"{prefix}commit"]), "the training ranks to commit the update")
         except GeneratorExit:
             _KEPT.pop(self.group_rank, None)
             raise
@@ -288,7 +330,7 @@ class SlicedReceiver:
                 report_failure(kept[1], self.group_rank, error, prefix)
             raise
 
-    def _post(self, group, bucket_index: int) -> tuple[list, dict]:
+    def _post(self, group, channel: Channel, prefix: str, bucket_index: int) -> tuple[list, dict]:
         """Post the receives of one bucket: one flat buffer per sender, sized by the plan."""
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         regions: dict[str, tuple[torch.Tensor, Box]] = {}
@@ -306,7 +348,11 @@ class SlicedReceiver:
         for sender, messages in incoming.items():
             flat = torch.empty(sum(message.nbytes for message in messages) // self.dtype.itemsize, dtype=self.dtype,
                                device=device)
-            receives.append((group.recv([flat], sender, bucket_index), flat, messages))
+            if messages[0].link == NETWORK:
+                receives.append((group.recv([flat], sender, bucket_index), flat, messages))
+            else:  # the same node: shared memory, CUDA IPC on GPU (sliced_in_node)
+                receives.append((receive_in_node(channel, prefix, bucket_index, sender, self.group_rank, flat), flat,
+                                 messages))
         return receives, regions
 
     def _unpack(self, receives: list, regions: dict) -> None:

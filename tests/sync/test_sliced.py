@@ -67,7 +67,8 @@ def test_a_training_rank_failing_mid_transfer_fails_the_update_on_every_side(moe
     assert [update for update, _ in report.errors[0]] == [2]  # the rank that reports to the trainer
     assert all(update == 2 for errors in report.errors for update, _ in errors), report.errors
     failed = report.engines[2]
-    assert all(result.regions is None and "training rank 5" in result.error for result in failed), failed
+    assert all(result.regions is None and "training rank 5" in result.error for result in failed), [
+        (result.regions is None, result.error) for result in failed]
     # The updates before it went through, and the one after it, on a new store and group.
     checkpoint = load_file(Path(moe_dir) / "model.safetensors")
     assert [report.mismatches(update, checkpoint) for update in (0, 1, 3)] == [[], [], []]
