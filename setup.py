@@ -2,11 +2,14 @@
 
 from setuptools import find_packages, setup
 
-# Ranges are the ones tested; megatron-core 0.16 is the newest release for Python 3.11 and the one
-# rlmega.parallel.cpu_platform was audited against.
+# Ranges are the ones tested. megatron-core: 0.16 is the newest release for Python 3.11, 0.17 to 0.19 need
+# Python >= 3.12, so pip picks 0.16.x on 3.11 and 0.19.x on 3.12; rlmega.parallel.mcore_version names the
+# releases every version gate was read against (keep the two in step).
 INSTALL_REQUIRES = [
     "torch>=2.6,<2.15",  # 2.14: the torch that vllm 0.33 and sglang 0.5.23 pin
-    "megatron-core>=0.16.0,<0.17",
+    "megatron-core>=0.16,<0.20",
+    # megatron-core 0.18 and 0.19 import triton unconditionally; CUDA builds of torch bring it, CPU builds do not.
+    "triton>=3.3,<4; python_version >= '3.12' and sys_platform == 'linux'",
     "transformers>=5.0,<6",
     "ray[default]>=2.40,<3",
     "hydra-core>=1.3.2,<1.4",
@@ -23,9 +26,11 @@ INSTALL_REQUIRES = [
 
 EXTRAS_REQUIRE = {
     # apex is built from NVIDIA's source on GPU clusters (see README); the PyPI "apex" is unrelated.
-    # megatron-core 0.16's own tested range for transformer-engine (its "dev" extra); later releases go with
-    # later megatron-core (transformer-engine 2.20 with megatron-core 0.19, which needs Python >= 3.12).
-    "gpu": ["transformer-engine[pytorch]>=2.9,<2.12"],
+    # transformer-engine to go with the megatron-core each Python gets (rlmega.parallel.mcore_version's
+    # TRANSFORMER_ENGINE): 0.16's own tested range (its "dev" extra) on 3.11; on 3.12, for megatron-core 0.19,
+    # 2.12 (the oldest its code expects) through 2.20 (the one that goes with torch 2.14).
+    "gpu": ["transformer-engine[pytorch]>=2.9,<2.12; python_version < '3.12'",
+            "transformer-engine[pytorch]>=2.12,<2.21; python_version >= '3.12'"],
     "vllm": ["vllm>=0.33,<0.35"],  # 0.34 changed nothing the adapter calls (tests/rollout/fakes/api/vllm-0.34.json)
     "sglang": ["sglang>=0.5.23,<0.5.24"],  # SGLang changes its Python API within 0.5.x
     # sync.transport=sharded_rdt: vLLM's transfer over Ray's direct transport (rlmega/sync/sharded_rdt_needs.py).

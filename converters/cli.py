@@ -79,6 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "peak memory is about twice this plus the largest tensor (default: 1GiB)")
     to_hf.add_argument("--shard-size", type=_size, default="5GiB", help="largest safetensors file (default: 5GiB)")
     to_hf.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="cast the weights (default: as stored)")
+    to_hf.add_argument("--fp8", action="store_true",
+                       help="linear weights as blockwise FP8 (128x128 blocks, fp32 weight_scale_inv; DeepSeek-V3's "
+                       "format, which vLLM and SGLang serve in FP8); norms, embeddings, routers and the LM head "
+                       "stay in --dtype")
     _add_output_options(to_hf)
     to_hf.set_defaults(conversion_run=_run_mcore_to_hf)
 
@@ -132,7 +136,8 @@ def _run_mcore_to_hf(args) -> int:
     from converters.output import human_bytes
 
     result = convert(args.checkpoint, args.output, args.hf_base, bucket_bytes=args.bucket_size,
-                     shard_bytes=args.shard_size, dtype=_dtype(args.dtype), overwrite=args.overwrite, quiet=args.quiet)
+                     shard_bytes=args.shard_size, dtype=_dtype(args.dtype), overwrite=args.overwrite, quiet=args.quiet,
+                     fp8=args.fp8)
     for line in result.notes:
         print(f"note: {line}")
     print(f"wrote {result.output}: {result.num_tensors} tensors, {human_bytes(result.bytes_written)} in "

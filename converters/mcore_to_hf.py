@@ -198,11 +198,38 @@ class Result:
     """What the export did differently from the ``--hf-base`` config (``untied_if_trained_head``), one line each."""
 
 
+def stored_entries(name: str, shape: tuple[int, ...], dtype: torch.dtype, fp8: bool) -> list[Entry]:
+    """How the HF tensor ``name`` is stored: as it is, or with ``fp8`` a quantized weight and its scales."""
+    from rlmega.bridge.fp8 import FP8_DTYPE, is_quantized, scale_name, scale_shape
+
+    if fp8 and is_quantized(name, shape):
+        return [Entry(name, shape, FP8_DTYPE), Entry(scale_name(name), scale_shape(shape), torch.float32)]
+    return [Entry(name, shape, dtype)]
+
+
+def stored_tensors(converted: dict[str, torch.Tensor], dtype: Optional[torch.dtype], fp8: bool):
+    """The tensors ``stored_entries`` plans, in its order: quantized from the checkpoint's precision, the rest cast
+    to ``dtype``."""
+    from rlmega.bridge.fp8 import is_quantized, quantize_blockwise, scale_name
+
+    for name, tensor in converted.items():
+        if fp8 and is_quantized(name, tensor.shape):
+            quantized, scale_inv = quantize_blockwise(tensor)
+            yield name, quantized
+            yield scale_name(name), scale_inv
+        else:
+            yield name, tensor.to(dtype or tensor.dtype)
+
+
 def convert(checkpoint_path: str | Path, output: str | Path, hf_base: str | Path, *,
             bucket_bytes: int = DEFAULT_BUCKET_BYTES, shard_bytes: int = DEFAULT_SHARD_BYTES,
-            dtype: Optional[torch.dtype] = None, overwrite: bool = False, quiet: bool = False) -> Result:
+            dtype: Optional[torch.dtype] = None, overwrite: bool = False, quiet: bool = False,
+            fp8: bool = False) -> Result:
     """Write the HF directory ``output`` from a torch_dist checkpoint (an iteration directory or
-    its parent). ``dtype`` None keeps the checkpoint's dtype."""
+    its parent). ``dtype`` None keeps the checkpoint's dtype. ``fp8``: linear weights as blockwise FP8 with
+    their ``weight_scale_inv`` (``rlmega.bridge.fp8``) and config.json's ``quantization_config``, the format
+    vLLM and SGLang serve in FP8; the other tensors in ``dtype``."""
+    from rlmega.bridge.fp8 import kept_linear_modules, quantization_config
     from rlmega.bridge.mapping import to_hf
     from rlmega.bridge.params import geometry_of
 
@@ -216,7 +243,8 @@ def convert(checkpoint_path: str | Path, output: str | Path, hf_base: str | Path
     spec, config, notes = untied_if_trained_head(params, spec, config, hf_base)
     units = plan(checkpoint, params, spec, config, hf_base)
     checkpoint.check_files({region.key for unit in units for region in unit.param.parts})
-    entries = [Entry(name, shape, dtype or unit.param.dtype) for unit in units for name, shape in unit.hf]
+    entries = [entry for unit in units for name, shape in unit.hf
+               for entry in stored_entries(name, shape, dtype or unit.param.dtype, fp8)]
     small_files = sum((hf_base / name).stat().st_size for name in TOKENIZER_FILES if (hf_base / name).is_file())
     check_disk_space(output, sum(entry.nbytes for entry in entries) + small_files + 1024**2)
     geometry = geometry_of(spec)
@@ -231,8 +259,8 @@ def convert(checkpoint_path: str | Path, output: str | Path, hf_base: str | Path
                         parts = [next(tensors) for _ in unit.param.parts]
                         gathered = parts[0] if len(parts) == 1 else torch.cat(parts)
                         names = tuple(name for name, _ in unit.hf)
-                        for name, tensor in to_hf(unit.rule, gathered, names, geometry, tp=1).items():
-                            tensor = tensor.to(dtype or tensor.dtype)
+                        converted = to_hf(unit.rule, gathered, names, geometry, tp=1)
+                        for name, tensor in stored_tensors(converted, dtype, fp8):
                             writer.write(name, tensor)
                             progress.update(tensor.numel() * tensor.element_size())
                     del tensors, parts, gathered
@@ -240,6 +268,9 @@ def convert(checkpoint_path: str | Path, output: str | Path, hf_base: str | Path
         finally:
             writer.abort()
         stream_seconds = time.perf_counter() - stream_started
-        write_model_files(hf_base, partial, config, entries[0].dtype)
+        if fp8:
+            config = {**config, "quantization_config": quantization_config(
+                kept_linear_modules((name, shape) for unit in units for name, shape in unit.hf))}
+        write_model_files(hf_base, partial, config, dtype or units[0].param.dtype)
     return Result(output, len(entries), len(writer.shards), writer.total_bytes, time.perf_counter() - started,
                   stream_seconds, notes)

@@ -89,14 +89,21 @@ def _sharded_rdt_without_nixl(report):
     report["packages"]["ray"]["version"] = "2.60.0"
 
 
-MCORE_FIX = "pip install 'megatron-core==0.16.*'"
+def _on_mcore_0_19_with(transformer_engine):
+    def change(report):
+        report["packages"]["megatron-core"]["version"] = "0.19.2"
+        report["packages"]["transformer-engine"]["version"] = transformer_engine
+    return change
+
+
+MCORE_FIX = "pip install 'megatron-core>=0.16,<0.20' (0.16.x on Python 3.11, 0.19.x on 3.12)"
 
 # (rule, how to break the healthy report, a fragment of the fix the message must name)
 RULE_CASES = [
     ("python_too_old", lambda r: r["python"].update(version="3.9.18"), "Python 3.10 or newer"),
     ("torch_untested", _set_version("torch", "2.15.0"), "pip install torch==2.13.0"),
     ("torch_untested", _set_version("torch", "2.5.1"), "pip install torch==2.13.0"),
-    ("megatron_core_untested", _set_version("megatron-core", "0.17.0"), MCORE_FIX),
+    ("megatron_core_untested", _set_version("megatron-core", "0.20.0"), MCORE_FIX),
     ("megatron_core_untested", _set_version("megatron-core", "0.15.3"), MCORE_FIX),
     ("cpu_platform_refuses_megatron_core", _cpu_refuses_megatron_core, "checked on 0.16.x, not 0.15.0"),
     ("cuda_build_without_gpu", _cuda_build_without_gpu, "CUDA_VISIBLE_DEVICES"),
@@ -108,7 +115,11 @@ RULE_CASES = [
     ("transformer_engine_untested", _set_version("transformer-engine", "2.8.0"),
      "pip install 'transformer-engine[pytorch]>=2.9,<2.12'"),
     ("transformer_engine_untested", _set_version("transformer-engine", "2.20.0"),
-     "pip install 'transformer-engine[pytorch]>=2.9,<2.12'"),
+     "does not go with megatron-core 0.16.1, which goes with >=2.9,<2.12; "
+     "fix: pip install 'transformer-engine[pytorch]>=2.9,<2.12'"),
+    ("transformer_engine_untested", _on_mcore_0_19_with("2.11.0"),
+     "does not go with megatron-core 0.19.2, which goes with >=2.12,<2.21; "
+     "fix: pip install 'transformer-engine[pytorch]>=2.12,<2.21'"),
     ("vllm_without_cuda", _set_version("vllm", "0.11.0"), "pip uninstall vllm"),
     ("sglang_without_cuda", _set_version("sglang", "0.5.3"), "pip uninstall sglang"),
     ("vllm_unsupported", _set_version("vllm", "0.11.0"), "pip install 'vllm>=0.33,<0.35'"),
@@ -155,6 +166,34 @@ def test_gpu_only_packages_are_fine_with_a_gpu():
     assert doctor.find_problems(report) == {}
 
 
+@pytest.mark.parametrize("mcore, transformer_engine, verdict", [
+    ("0.16.1", None, "supported; on GPU with transformer-engine >=2.9,<2.12"),
+    ("0.16.1", "2.11.0", "supported"),
+    ("0.19.2", "2.20.1", "supported"),
+    ("0.17.1", "2.13.0", "supported"),
+    ("0.19.2", "2.11.0", "not supported: megatron-core 0.19 goes with transformer-engine >=2.12,<2.21"),
+    ("0.20.0", "2.20.1", "not supported: megatron-core 0.16.x through 0.19.x are"),
+])
+def test_doctor_reports_the_megatron_pair_and_whether_it_is_supported(mcore, transformer_engine, verdict, capsys):
+    report = healthy_report()
+    report["packages"]["megatron-core"]["version"] = mcore
+    report["packages"]["transformer-engine"]["version"] = transformer_engine
+    installed = f"{mcore} + {transformer_engine or 'no transformer-engine'}"
+    assert doctor.megatron_pair(report) == (installed, verdict)
+    packages = doctor.report_rows(report)[1]
+    assert ("megatron-core + transformer-engine", installed, verdict) in packages
+
+
+def test_doctor_json_has_the_megatron_pair(monkeypatch, capsys):
+    report = healthy_report()
+    report["packages"]["megatron-core"]["version"] = "0.19.2"
+    report["packages"]["transformer-engine"]["version"] = "2.20.1"
+    monkeypatch.setattr(doctor, "collect_report", lambda: copy.deepcopy(report))
+    assert main(["doctor", "--json"]) == 0
+    pair = json.loads(capsys.readouterr().out)["megatron_pair"]
+    assert pair == {"installed": "0.19.2 + 2.20.1", "supported": True, "verdict": "supported"}
+
+
 def test_missing_required_package_names_its_install_command():
     report = healthy_report()
     report["packages"]["torch"]["version"] = None
@@ -165,7 +204,7 @@ def test_missing_required_package_names_its_install_command():
     torch_line, mcore_line, tqdm_line = missing
     assert "torch is not installed" in torch_line
     assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in torch_line
-    assert mcore_line.endswith("fix: pip install 'megatron-core==0.16.*'")
+    assert mcore_line.endswith("fix: pip install 'megatron-core>=0.16,<0.20'")
     assert tqdm_line.endswith("fix: pip install tqdm")
 
 

@@ -36,10 +36,11 @@ def test_cuda_devices_become_cpu_inside_the_mode():
 
 
 def test_only_audited_megatron_versions_are_accepted():
-    check_mcore_version("0.16.1")
-    check_mcore_version("0.16.0rc0")
-    for version in ("0.15.3", "0.17.0", "1.0.0"):
-        with pytest.raises(RuntimeError, match=rf"checked on megatron-core 0\.16\.x, not {version}"):
+    for version in ("0.16.1", "0.16.0rc0", "0.17.1", "0.18.2", "0.19.2"):
+        check_mcore_version(version)
+    for version in ("0.15.3", "0.20.0", "1.0.0"):
+        with pytest.raises(RuntimeError, match=rf"checked on megatron-core 0\.16\.x through 0\.19\.x, not {version}; "
+                                               r"install a checked release \(pip install 'megatron-core>=0\.16,<0\.20'\)"):
             check_mcore_version(version)
 
 

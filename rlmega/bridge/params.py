@@ -1,9 +1,10 @@
 """This rank's Megatron parameters under canonical names, with how they are tensor-parallel split.
 
 Canonical names use global layer and expert indices. Multi-token-prediction (MTP) layer k is named
-``mtp.layers.{num_layers + k}``: Megatron numbers its transformer layer after the decoder's (its
-``layer_number - 1`` is ``num_layers + k``) and HF stores it as ``model.layers.{num_layers + k}``,
-so the index is the same in all three and never collides with a decoder layer's.
+``mtp.layers.{num_layers + k}``, its transformer layer ``transformer_layer`` on every megatron-core release
+(``rlmega.models.mtp_model``): Megatron 0.16 numbers that layer after the decoder's (its ``layer_number - 1``
+is ``num_layers + k``) and HF stores it as ``model.layers.{num_layers + k}``, so the index is the same in all
+three and never collides with a decoder layer's.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Iterator, Optional
 import torch
 
 from rlmega.bridge.mapping import Geometry, canonical_te_name
+from rlmega.models import mtp_model
 from rlmega.models.spec import ModelSpec
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
@@ -44,6 +46,20 @@ class LocalParam:
     Exported under both names; on load, the HF copy must equal the parameter's HF tensor."""
 
 
+class AdaptedParam(LocalParam):
+    """A base weight with a LoRA adapter (``rlmega.models.lora``): ``tensor`` reads give the weight the model
+    computes with, merged on each read (``W + scale * B @ A`` of this TP shard, so export and weight sync send merged
+    weights through every path), or the base parameter itself while the adapters are off (a load writes into it)."""
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self._base.lora_adapter.effective_weight(self._base)
+
+    @tensor.setter
+    def tensor(self, value: torch.Tensor) -> None:
+        self._base = value
+
+
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     """The GPTModel inside DDP / Float16Module wrappers."""
     while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
@@ -71,11 +87,13 @@ def _canonical(model: torch.nn.Module, name: str) -> str:
         return canonical_te_name(f"decoder.layers.{layer.layer_number - 1}.{_global_expert(layer, match.group(2))}")
     match = _MTP_LAYER.match(name)
     if match:
-        transformer_layer = model.mtp.layers[int(match.group(1))].transformer_layer
-        rest = match.group(2)
-        if rest.startswith("transformer_layer."):
-            rest = "transformer_layer." + _global_expert(transformer_layer, rest[len("transformer_layer."):])
-        return canonical_te_name(f"mtp.layers.{transformer_layer.layer_number - 1}.{rest}")
+        mtp_layer = model.mtp.layers[int(match.group(1))]
+        inner = getattr(mtp_layer, mtp_model.inner_layer_attribute())
+        rest = mtp_model.canonical_inner_name(match.group(2))
+        prefix = mtp_model.CANONICAL_INNER_LAYER + "."
+        if rest.startswith(prefix):
+            rest = prefix + _global_expert(inner, rest[len(prefix):])
+        return canonical_te_name(f"mtp.layers.{mtp_model.canonical_layer_index(model, mtp_layer)}.{rest}")
     return canonical_te_name(name)
 
 
@@ -85,7 +103,7 @@ def _mtp_shared_params(model: torch.nn.Module) -> Iterator[LocalParam]:
         return
     embedding, output = model.embedding.word_embeddings.weight, model.output_layer.weight
     for mtp_layer in model.mtp.layers:
-        prefix = f"mtp.layers.{mtp_layer.transformer_layer.layer_number - 1}"
+        prefix = f"mtp.layers.{mtp_model.canonical_layer_index(model, mtp_layer)}"
         for suffix, tensor, owner in (("embed_tokens.weight", embedding, _EMBEDDING),
                                       ("shared_head.head.weight", output, _OUTPUT_LAYER)):
             yield LocalParam(canonical=f"{prefix}.{suffix}", tensor=tensor, partition_dim=_partition_dim(tensor),
@@ -106,9 +124,10 @@ def local_params(chunks: list) -> Iterator[LocalParam]:
         model = unwrap(chunk)
         tied = getattr(model, "share_embeddings_and_output_weights", False)
         for name, param in model.named_parameters():
-            if getattr(param, "is_value_head", False):
-                continue  # a critic's scalar head: no HF counterpart
-            yield LocalParam(
+            if getattr(param, "is_value_head", False) or getattr(param, "is_lora_adapter", False):
+                continue  # a critic's scalar head, a LoRA adapter (merged into its base weight): no HF counterpart
+            kind = AdaptedParam if hasattr(param, "lora_adapter") else LocalParam
+            yield kind(
                 canonical=_canonical(model, name),
                 tensor=param,
                 partition_dim=_partition_dim(param),

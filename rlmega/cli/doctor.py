@@ -20,6 +20,7 @@ import sys
 from typing import Callable, Dict, List, Optional, Tuple
 
 import rlmega
+from rlmega.parallel import mcore_version
 from rlmega.sync import sharded_rdt_needs
 
 HELP = "check Python, dependencies and GPUs; name the fix for every known-bad setup"
@@ -50,7 +51,7 @@ class Dependency:
 
 DEPENDENCIES = (
     Dependency("torch", install=f"{TORCH_CPU_INSTALL} (on GPU machines: pip install torch==2.13.0)"),
-    Dependency("megatron-core", install="pip install 'megatron-core==0.16.*'"),
+    Dependency("megatron-core", install=f"pip install '{mcore_version.PIP_RANGE}'"),
     Dependency("transformers"),
     Dependency("ray", install="pip install 'ray[default]'"),
     Dependency("hydra-core"),
@@ -184,6 +185,42 @@ def _outside(version: Optional[str], lowest: Tuple[int, int], below: Tuple[int, 
     return major_minor is not None and not lowest <= major_minor < below
 
 
+def _release(version: str) -> str:
+    return ".".join(f"{version}.0".split(".")[:2])
+
+
+def _range(lowest: Tuple[int, int], below: Tuple[int, int]) -> str:
+    return f">={_release('.'.join(map(str, lowest)))},<{_release('.'.join(map(str, below)))}"
+
+
+def transformer_engine_range(report: dict) -> Optional[str]:
+    """The transformer-engine range that goes with the installed megatron-core, or None where that is not
+    installed or not supported (then its own rule speaks)."""
+    pair = mcore_version.TRANSFORMER_ENGINE.get(_major_minor(_version(report, "megatron-core")))
+    return None if pair is None else _range(*pair)
+
+
+def megatron_pair(report: dict) -> Tuple[str, str]:
+    """The installed (megatron-core, transformer-engine) pair as "0.19.2 + 2.20.1", and whether rlmega supports it."""
+    mcore, te = _version(report, "megatron-core"), _version(report, "transformer-engine")
+    installed = f"{mcore or 'no megatron-core'} + {te or 'no transformer-engine'}"
+    if mcore is None:
+        return installed, "not supported: megatron-core is missing"
+    if _major_minor(mcore) not in mcore_version.SUPPORTED:
+        return installed, f"not supported: megatron-core {mcore_version.describe(mcore_version.SUPPORTED)} are"
+    te_range = transformer_engine_range(report)
+    if te is None:
+        return installed, f"supported; on GPU with transformer-engine {te_range}"
+    if _outside(te, *mcore_version.TRANSFORMER_ENGINE[_major_minor(mcore)]):
+        return installed, f"not supported: megatron-core {_release(mcore)} goes with transformer-engine {te_range}"
+    return installed, "supported"
+
+
+def _transformer_engine_mismatched(report: dict) -> bool:
+    pair = mcore_version.TRANSFORMER_ENGINE.get(_major_minor(_version(report, "megatron-core")))
+    return pair is not None and _outside(_version(report, "transformer-engine"), *pair)
+
+
 def _cpu_platform_refuses(report: dict) -> bool:
     cpu = report["cpu_platform"]  # None when torch does not import
     return bool(cpu and cpu["redirects_apply"] and cpu["refusal"])
@@ -225,9 +262,11 @@ RULES = (
     ),
     Rule(
         "megatron_core_untested",
-        lambda r: _outside(_version(r, "megatron-core"), (0, 16), (0, 17)),
-        "megatron-core {megatron-core} is outside the tested range >=0.16,<0.17; "
-        "fix: pip install 'megatron-core==0.16.*'",
+        lambda r: _outside(_version(r, "megatron-core"), min(mcore_version.SUPPORTED),
+                           (0, max(mcore_version.SUPPORTED)[1] + 1)),
+        "megatron-core {megatron-core} is outside the supported range "
+        f"{mcore_version.describe(mcore_version.SUPPORTED)}; fix: pip install '{mcore_version.PIP_RANGE}' "
+        "(0.16.x on Python 3.11, 0.19.x on 3.12)",
     ),
     Rule(
         "cpu_platform_refuses_megatron_core",
@@ -248,10 +287,11 @@ RULES = (
     ),
     Rule(
         "transformer_engine_untested",
-        lambda r: _outside(_version(r, "transformer-engine"), (2, 9), (2, 12)),
-        "transformer-engine {transformer-engine} is outside >=2.9,<2.12, the range megatron-core 0.16 was tested "
-        "with; fix: pip install 'transformer-engine[pytorch]>=2.9,<2.12' (or rlmega's gpu extra), where a CUDA "
-        "toolkit is (nvcc on the PATH or CUDA_HOME): its torch extension builds against it",
+        _transformer_engine_mismatched,
+        "transformer-engine {transformer-engine} does not go with megatron-core {megatron-core}, which goes with "
+        "{transformer_engine_range}; fix: pip install 'transformer-engine[pytorch]{transformer_engine_range}' "
+        "(or rlmega's gpu extra), where a CUDA toolkit is (nvcc on the PATH or CUDA_HOME): its torch extension "
+        "builds against it",
     ),
     Rule(
         "vllm_without_cuda",
@@ -302,6 +342,7 @@ def find_problems(report: dict) -> Dict[str, str]:
         cuda=report["cuda"]["built_with"] or "?",
         cpu_platform_refusal=(report["cpu_platform"] or {}).get("refusal") or "?",
         sharded_rdt_missing=_sharded_rdt_missing(report) or "?",
+        transformer_engine_range=transformer_engine_range(report) or "?",
     )
     return {rule.name: rule.message.format_map(fields) for rule in RULES if rule.applies(report)}
 
@@ -338,6 +379,7 @@ def report_rows(report: dict) -> List[List[Row]]:
         packages.append((name, entry["version"] or "MISSING", note))
     if absent_optional:
         packages.append(("optional, not installed", ", ".join(absent_optional), ""))
+    packages.append(("megatron-core + transformer-engine", *megatron_pair(report)))
 
     cuda = report["cuda"]
     if cuda["torch_error"]:
@@ -415,7 +457,10 @@ def run(args: argparse.Namespace) -> int:
     problems = find_problems(report)
     missing = missing_required(report)
     if args.json:
-        print(json.dumps({**report, "problems": problems, "missing_required": missing}, indent=2))
+        installed, verdict = megatron_pair(report)
+        pair = {"installed": installed, "supported": verdict.startswith("supported"), "verdict": verdict}
+        print(json.dumps({**report, "megatron_pair": pair, "problems": problems, "missing_required": missing},
+                         indent=2))
     else:
         print_report(report, problems, missing)
     return 1 if missing else 0

@@ -171,6 +171,13 @@ def check_settings(config: RLConfig) -> None:
         rollout.engine_arguments()
     except ValueError as error:
         raise ConfigError(str(error)) from error
+    # These transports hand a vLLM / SGLang engine's loader tensors the bridge did not quantize, where its FP8
+    # layers need FP8 ones; the others carry the sync's quantized buckets, or go through the adapter.
+    _require(rollout.weight_dtype != "fp8" or rollout.backend == "hf"
+             or config.sync.transport not in ("sharded_rdt", "sliced"), "rollout.weight_dtype",
+             f"fp8 engines of rollout.backend={rollout.backend} cannot take sync.transport={config.sync.transport} "
+             "(it delivers unquantized tensors straight to the engine's loader); use sync.transport=auto, "
+             "in_process, shared_memory, object_store or broadcast")
     _require(rollout.mode == "sync" or rollout.placement == "disaggregated", "rollout.mode",
              f"{rollout.mode} overlaps generation with training, so the engines need resources of their own: "
              "set rollout.placement=disaggregated")

@@ -64,6 +64,11 @@ class RolloutConfig:
     max_num_batched_tokens: Optional[int] = None
     """Tokens per engine scheduling step (vLLM ``max_num_batched_tokens``, SGLang ``max_prefill_tokens``);
     None: the engine's default."""
+    weight_dtype: str = choice("auto", "fp8")
+    """auto: the engines serve the weights in their compute dtype. fp8: they serve every linear weight as
+    blockwise FP8 (128 x 128 blocks with fp32 scales, DeepSeek-V3's format; norms, embeddings, routers and the
+    LM head stay as they are), about halving the engines' weight memory, at a larger train-inference mismatch
+    (see rlmega/trainer/README.md, FP8 rollout). The hf engine dequantizes for its computation."""
     num_engines: int = 1
     placement: str = choice("colocated", "disaggregated")
     """colocated: engines share the training ranks' resources and sleep while training runs (training
@@ -136,8 +141,11 @@ class RolloutConfig:
     def engine_arguments(self) -> dict:
         """The backend's constructor arguments: the engine-level fields above under the backend's own
         names (``ENGINE_ARGUMENTS``), then ``engine_kwargs``, which may not repeat them."""
+        if "weight_dtype" in self.engine_kwargs:
+            raise ValueError("rollout.engine_kwargs.weight_dtype: set rollout.weight_dtype instead")
+        fp8 = {"weight_dtype": "fp8"} if self.weight_dtype == "fp8" else {}
         if self.backend == "hf":
-            return dict(self.engine_kwargs)
+            return {**self.engine_kwargs, **fp8}
         names = ENGINE_ARGUMENTS[self.backend]
         arguments = {name: getattr(self, field) for field, name in names.items() if getattr(self, field) is not None}
         if self.backend == "vllm" and self.expert_parallel_size > 1:
@@ -146,7 +154,7 @@ class RolloutConfig:
             field = next((f for f, name in names.items() if name == key), None)
             if field is not None or key == "enable_expert_parallel":
                 raise ValueError(f"rollout.engine_kwargs.{key}: set rollout.{field or 'expert_parallel_size'} instead")
-        return {**arguments, **self.engine_kwargs}
+        return {**arguments, **self.engine_kwargs, **fp8}
 
 
 # RolloutConfig's engine-level fields under each backend's argument names.
@@ -245,6 +253,9 @@ class JudgeConfig:
 
 POST_SYNC_ATOL_FP32 = 1e-3
 POST_SYNC_ATOL_BF16 = 0.5
+# FP8 engines: e4m3 keeps 3 mantissa bits; the quickstart's greedy probes move by 0.07-0.08 with the weights alone
+# in FP8, and GPU engines also quantize activations. A wrong mapping moves them by several nats.
+POST_SYNC_ATOL_FP8 = 1.0
 
 
 @dataclasses.dataclass
@@ -411,12 +422,20 @@ class RLConfig:
         """The post-sync check's tolerance: ``sync.post_sync_atol``, or the one of the run's precision."""
         if self.sync.post_sync_atol is not None:
             return self.sync.post_sync_atol
+        if self.rollout.weight_dtype == "fp8":
+            return POST_SYNC_ATOL_FP8
         actor_fp32 = self.actor.dtype == "fp32" or (self.actor.dtype is None and self.cluster.gpus_per_rank == 0)
         return POST_SYNC_ATOL_FP32 if actor_fp32 and self.rollout.computes_in_fp32() else POST_SYNC_ATOL_BF16
 
     @property
     def needs_reference(self) -> bool:
         return self.actor.policy_loss.kl_loss_coef > 0 or self.algorithm.kl_in_reward_coef > 0
+
+    @property
+    def builds_reference_model(self) -> bool:
+        """A reference model of its own: a KL term needs reference log-probs and the actor has no LoRA adapters (a
+        LoRA actor's reference is itself with its adapters off)."""
+        return self.needs_reference and not self.actor.lora.enabled
 
     @property
     def needs_critic(self) -> bool:

@@ -4,12 +4,12 @@ model overrides, LoRA, profiler and router replay, each built for one role; and 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from rlmega.config.verl_rules import (A, REF, _any_of, _betas, _critic_only, _decay_steps, _dtype, _ep_and_etp,
                                       _expert_tp, _min_lr, _same, _schedule, _sequence_parallel, _warmup_steps,
                                       _wsd_decay_steps)
-from rlmega.config.verl_setting import Setting, mapped, needless, refused, trained
+from rlmega.config.verl_setting import SKIP, Refused, Setting, mapped, needless, refused, trained
 
 if TYPE_CHECKING:
     from rlmega.config.verl import VerlConfig
@@ -21,7 +21,6 @@ FSDP = "an FSDP sharding setting; rlmega trains with Megatron-Core"
 KERNELS = "a kernel or compile choice; it changes speed, not what is trained"
 MEMORY = "saves memory only; rlmega bounds memory by its token budget and recomputation"
 ENGINE = "an engine tuning knob; rlmega leaves it at the engine's default (rollout.engine_kwargs takes engine arguments)"
-NO_LORA = "rlmega trains every weight; LoRA adapters are not in rlmega"
 CONFIG_AS_IS = "rlmega builds the model from its config.json as it is"
 SHUFFLE = "rlmega keeps each step's responses in order when it splits them into mini-batches"
 PROFILING = "per-role profiling is not in rlmega; run the job under nsys or torch.profiler"
@@ -270,16 +269,71 @@ def _model_overrides(model: str, role: str) -> dict[str, Setting]:
     }
 
 
-def _megatron_lora(model: str) -> dict[str, Setting]:
+NO_CRITIC_LORA = "rlmega trains LoRA adapters on the actor only (actor.lora); its critic trains every weight"
+
+
+def _megatron_lora(model: str, target: Optional[str] = None) -> dict[str, Setting]:
+    """verl's Megatron LoRA keys; with ``target`` (``actor``) they become ``{target}.lora``."""
+    if target is None:
+        return {f"{model}.lora.rank": refused(NO_CRITIC_LORA, 0),
+                f"{model}.lora.*": needless("only read with lora.rank > 0, which is refused")}
+    on = _with_lora(f"{model}.lora.rank")
     return {
-        f"{model}.lora.rank": refused(NO_LORA, 0),
-        f"{model}.lora.*": needless("only read with lora.rank > 0, which is refused"),
+        f"{model}.lora.rank": mapped(f"{target}.lora.rank", default=0, rule=on(_same_value)),
+        f"{model}.lora.alpha": mapped(f"{target}.lora.alpha", default=32, rule=on(_same_value)),
+        f"{model}.lora.target_modules": mapped(f"{target}.lora.target_modules", default=None, rule=on(_lora_modules),
+                                               note="HF names (q_proj, ...) become Megatron's (linear_qkv, ...)"),
+        f"{model}.lora.dropout": refused("rlmega's adapters have no dropout", 0.0, accept=lambda value, verl: not value),
+        f"{model}.lora.*": needless("the adapters' other settings: rlmega's are the plain low-rank pair"),
     }
 
 
-def _fsdp_lora(model: str) -> dict[str, Setting]:
-    only = needless("only read with lora_rank > 0, which is refused")
-    table = {f"{model}.lora_rank": refused(NO_LORA, 0)}
-    table.update({f"{model}.{name}": dataclasses.replace(only, default=value) for name, value in (
-        ("lora_alpha", 16), ("target_modules", "all-linear"), ("exclude_modules", None), ("lora_adapter_path", None))})
-    return table
+def _fsdp_lora(model: str, target: Optional[str] = None) -> dict[str, Setting]:
+    """verl's FSDP LoRA keys; with ``target`` (``actor``) they become ``{target}.lora``."""
+    if target is None:
+        only = needless("only read with lora_rank > 0, which is refused")
+        table = {f"{model}.lora_rank": refused(NO_CRITIC_LORA, 0)}
+        table.update({f"{model}.{name}": dataclasses.replace(only, default=value) for name, value in (
+            ("lora_alpha", 16), ("target_modules", "all-linear"), ("exclude_modules", None), ("lora_adapter_path", None))})
+        return table
+    on = _with_lora(f"{model}.lora_rank")
+    return {
+        f"{model}.lora_rank": mapped(f"{target}.lora.rank", default=0, rule=on(_same_value)),
+        f"{model}.lora_alpha": mapped(f"{target}.lora.alpha", default=16, rule=on(_same_value)),
+        f"{model}.target_modules": mapped(f"{target}.lora.target_modules", default="all-linear",
+                                          rule=on(_lora_modules),
+                                          note="HF names (q_proj, ...) become Megatron's (linear_qkv, ...)"),
+        f"{model}.exclude_modules": refused("rlmega adapts the target modules of every decoder layer"),
+        f"{model}.lora_adapter_path": refused("rlmega starts LoRA from fresh adapters (B = 0) over model.path"),
+    }
+
+
+def _same_value(value: Any, verl: Any) -> Any:
+    return value
+
+
+def _with_lora(rank_key: str):
+    """A rule that applies only where ``rank_key`` turns LoRA on (verl has an FSDP and a Megatron set of keys; the
+    set whose rank is 0 says nothing)."""
+    def wrap(rule):
+        return lambda value, verl: rule(value, verl) if (verl(rank_key) or 0) > 0 else SKIP
+    return wrap
+
+
+_HF_LINEAR = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
+              "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}
+
+
+def _lora_modules(value: Any, verl: Any) -> Any:
+    """verl's target modules (``all-linear``, HF or Megatron names) as rlmega's Megatron names."""
+    from rlmega.models.lora import LINEAR_MODULES
+
+    if value is None or value == "all-linear":
+        return SKIP  # rlmega's default: every linear layer of the decoder
+    names = [value] if isinstance(value, str) else list(value)
+    unknown = [name for name in names if name not in LINEAR_MODULES and name not in _HF_LINEAR]
+    if unknown:
+        raise Refused(f"target_modules {unknown}: rlmega adapts {', '.join(LINEAR_MODULES)} (or their HF names "
+                      f"{', '.join(_HF_LINEAR)})")
+    megatron = {_HF_LINEAR.get(name, name) for name in names}
+    return [name for name in LINEAR_MODULES if name in megatron]

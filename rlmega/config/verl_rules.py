@@ -473,3 +473,13 @@ def _after_training_steps(value: Any, verl: VerlConfig) -> Any:
 
 def _bucket_bytes(value: Any, verl: VerlConfig) -> Any:
     return int(value) * 1024**2
+
+
+def _quantization(value: Any, verl: VerlConfig) -> Any:
+    """verl's rollout quantization: only blockwise fp8 (DeepSeek-V3's format) is rlmega's too."""
+    if value is None:
+        return SKIP
+    if str(value).lower() != "fp8":
+        raise Refused(f"rollout.quantization={value}: rlmega's engines serve fp8 (rollout.weight_dtype=fp8) or the "
+                      "trained weights as they are")
+    return "fp8"

@@ -11,6 +11,7 @@ from rlmega.config.verl_roles import (ENGINE, FSDP, KERNELS, LOAD_WEIGHT, MEMORY
                                       _fsdp_lora, _megatron, _megatron_lora, _model_overrides, _optimizer, _profiler,
                                       _router_replay)
 from rlmega.config.verl_rules import (A, MODEL, REF, RO, _after_training_steps, _backend, _both, _bucket_bytes,
+                                      _quantization,
                                       _bypass_loss, _clip_ratio, _critic_only, _critic_warmup, _engine_kwargs,
                                       _estimator, _every, _expand, _files, _filter_metric, _generation_rounds,
                                       _kl_estimator, _kl_in_reward_coef, _kl_loss_coef, _loggers, _loss_agg_mode,
@@ -105,14 +106,14 @@ VERL_SETTINGS: dict[str, Setting] = {
              "override_transformer_config.recompute_*"),
     f"{MODEL}.enable_activation_offload": needless(MEMORY, False),
     f"{MODEL}.use_remove_padding": needless("rlmega packs sequences itself (batching.packing)", False),
-    **_fsdp_lora(MODEL),
+    **_fsdp_lora(MODEL, "actor"),
     f"{MODEL}.use_liger": needless(KERNELS, False),
     f"{MODEL}.use_fused_kernels": needless(KERNELS, False),
     f"{MODEL}.fused_kernel_options.impl_backend": needless(KERNELS, "torch"),
     f"{MODEL}.tiled_mlp.*": needless(MEMORY),
     f"{MODEL}.mtp.enable": refused("multi-token prediction is not in rlmega", False),
     f"{MODEL}.mtp.*": needless("only read with mtp.enable, which is refused"),
-    **_megatron_lora(MODEL),
+    **_megatron_lora(MODEL, "actor"),
     # actor
     f"{A}.strategy": needless("verl's training backend; rlmega always trains with Megatron-Core (it decides whether "
                               "FSDP-only keys such as enable_gradient_checkpointing are read)"),
@@ -300,8 +301,10 @@ VERL_SETTINGS: dict[str, Setting] = {
                                                     False),
     f"{RO}.prometheus.enable": refused("rlmega does not export engine metrics to Prometheus", False),
     f"{RO}.prometheus.*": needless("only read with prometheus.enable, which is refused"),
-    f"{RO}.quantization": refused("quantised rollout is not in rlmega; its engines run the trained weights"),
-    f"{RO}.quantization_config_file": refused("quantised rollout is not in rlmega; its engines run the trained weights"),
+    f"{RO}.quantization": mapped("rollout.weight_dtype", default=None, rule=_quantization,
+                                 note="fp8: blockwise FP8 engines (DeepSeek-V3's format); other schemes are refused"),
+    f"{RO}.quantization_config_file": refused("rlmega's fp8 is blockwise 128 x 128 with fp32 scales; a config file of "
+                                              "other settings does not translate"),
     f"{RO}.mtp": needless(f"follows {MODEL}.mtp", f"${{oc.select:{MODEL}.mtp, null}}"),
     f"{RO}.layer_name_map.*": needless("how verl renames fused layers for the engine; rlmega's bridge names them"),
     f"{RO}.layered_summon": needless(FSDP, False),

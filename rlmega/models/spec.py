@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 
+from rlmega.models import mla_query
 from rlmega.models.mtp_model import gpt_model_with_mtp
 from rlmega.models.reward_head import ScoreHeadSpec, attach_score_head
 from rlmega.models.vision_language import VisionSpec, vision_language_model_class
@@ -131,13 +132,19 @@ class ModelSpec:
             multi_latent_attention=latent,
         )
         if has_transformer_engine():
-            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**kwargs)
+            return self._query_as_hf(gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**kwargs))
         spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=self.config["normalization"], **kwargs)
         # Megatron's local DotProductAttention rejects MLA's head sizes and context parallelism, and
         # materialises every [S, S] score matrix; ours runs torch's fused attention (benchmarks/context_parallel.py).
         from rlmega.models.core_attention import TorchCoreAttention
 
         spec.submodules.self_attention.submodules.core_attention = TorchCoreAttention
+        return self._query_as_hf(spec)
+
+    def _query_as_hf(self, spec):
+        """``spec`` with its attention computing the query as HF does (``rlmega.models.mla_query``)."""
+        if self.config.get("multi_latent_attention") and self.config.get("q_lora_rank") is None:
+            spec.submodules.self_attention.module = mla_query.attention_without_query_norm()
         return spec
 
     def decoder_spec(self, config, vp_stage: Optional[int] = None):

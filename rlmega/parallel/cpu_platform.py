@@ -32,12 +32,14 @@ from torch.overrides import TorchFunctionMode
 
 from rlmega.parallel import mcore_without_te
 from rlmega.parallel.host_collectives import Completed, HostCollectives
-from rlmega.parallel.mcore_version import require_checked
+from rlmega.parallel.mcore_version import SUPPORTED, require_checked
 
 logger = logging.getLogger(__name__)
 
-# (major, minor) releases of megatron-core whose CUDA-only calls were audited for this module.
-CHECKED_MCORE_VERSIONS = ((0, 16),)
+# (major, minor) releases of megatron-core whose CUDA-only calls were audited for this module: each name patched
+# below (the RNG tracker and its state functions, the dispatcher's maybe_move_tensor_to_cpu, WrappedTorchNorm,
+# p2p's _p2p_ops/_batched_p2p_ops) has the same meaning in each; tests/test_megatron_parallel.py runs on 0.16 and 0.19.
+CHECKED_MCORE_VERSIONS = SUPPORTED
 
 _enabled = False
 
@@ -362,7 +364,7 @@ def check_mcore_version(version: str) -> None:
     require_checked(
         version, CHECKED_MCORE_VERSIONS,
         "rlmega's CPU platform was checked on megatron-core {checked}, not {version}; "
-        "install a checked release (pip install 'megatron-core==0.16.*') or run on a GPU.",
+        "install a checked release (pip install '{install}') or run on a GPU.",
     )
 
 

@@ -1,4 +1,4 @@
-"""Megatron-Core 0.16 where transformer-engine is not installed, on any device.
+"""Megatron-Core (0.16 through 0.19) where transformer-engine is not installed, on any device.
 
 Megatron imports transformer-engine's helpers inside ``try`` blocks, yet three of its modules go on to use
 what only a successful import defines. Without transformer-engine (every CPU machine; a GPU machine
@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import importlib.util
 
-# (major, minor) releases of megatron-core whose modules were read for these two names.
-CHECKED_MCORE_VERSIONS = ((0, 16),)
+from rlmega.parallel.mcore_version import SUPPORTED, major_minor
+
+# (major, minor) releases of megatron-core whose modules were read for these three names: 0.16 through 0.19 bind
+# te_general_gemm and HAVE_TE only where transformer-engine imports, and ask is_te_min_version("2.1.0") alike.
+CHECKED_MCORE_VERSIONS = SUPPORTED
 
 
 def apply() -> bool:
-    """Idempotent; returns whether the fixes apply here (megatron-core 0.16 without transformer-engine)."""
+    """Idempotent; returns whether the fixes apply here (a checked megatron-core without transformer-engine)."""
     import megatron.core
-
-    from rlmega.parallel.mcore_version import major_minor
 
     if importlib.util.find_spec("transformer_engine") is not None:
         return False

@@ -139,8 +139,11 @@ def _owned_per_dp_rank(buffer) -> list[int]:
     size = buffer.data_parallel_group.size()
     owned = []
     for dp_rank in range(size):
-        view = dataclasses.make_dataclass("BufferAt", ["buckets", "param_index_map", "data_parallel_group"])(
-            buffer.buckets, buffer.param_index_map, _GroupAt(dp_rank, size))
+        # megatron-core 0.19 also checks the shard count the buffer was laid out for (None: not recorded).
+        view = dataclasses.make_dataclass(
+            "BufferAt", ["buckets", "param_index_map", "data_parallel_group", "num_optimizer_shards"])(
+            buffer.buckets, buffer.param_index_map, _GroupAt(dp_rank, size),
+            getattr(buffer, "num_optimizer_shards", None))
         owned.append(sum(
             ranges["param"].size
             for index in range(len(buffer.buckets))

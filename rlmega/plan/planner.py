@@ -97,6 +97,8 @@ class Engine:
     """Tokens of KV cache one engine replica (its tp GPUs) holds."""
     tokens_needed: int
     """Tokens of every sequence one replica generates in a step, at full length."""
+    weight_dtype: str = "auto"
+    """``rollout.weight_dtype``: fp8 engines hold their linear weights in blockwise FP8."""
 
 
 @dataclasses.dataclass
@@ -157,7 +159,7 @@ class Plan:
 
 def _roles(config) -> dict:
     roles = {"actor": config.actor}
-    if config.needs_reference:
+    if config.builds_reference_model:
         roles["ref"] = config.ref
     if config.needs_critic:
         roles["critic"] = config.critic
@@ -200,7 +202,8 @@ def engine_plan(config, shape, preset) -> Engine:
     # vLLM's expert parallelism spans the engine's TP x DP ranks; each rank's weights as vLLM lays them out
     # (MLA's down-projections and the routers whole on every rank).
     engine_layout = EngineLayout(tensor_parallel_size=tp, data_parallel_size=dp,
-                                 expert_parallel_size=tp * dp if rollout.expert_parallel_size > 1 else 1)
+                                 expert_parallel_size=tp * dp if rollout.expert_parallel_size > 1 else 1,
+                                 weight_dtype=rollout.weight_dtype)
     weights = engine_rank_bytes(_hf_config(config.model.path), engine_layout).max_sliced
     share = rollout.gpu_memory_utilization * preset.memory_gib * GIB
     workspace = config.plan.engine_workspace_gib * GIB
@@ -209,7 +212,8 @@ def engine_plan(config, shape, preset) -> Engine:
     sequences = config.trainer.prompts_per_step * rollout.n / (rollout.num_engines * dp)
     needed = int(math.ceil(sequences) * (config.data.max_prompt_length + rollout.max_new_tokens))
     return Engine(gpus=rollout.num_engines * tp * dp, weights=weights, workspace=workspace, kv_cache=kv,
-                  kv_bytes_per_token=per_token, kv_tokens=int(max(kv, 0) // per_token), tokens_needed=needed)
+                  kv_bytes_per_token=per_token, kv_tokens=int(max(kv, 0) // per_token), tokens_needed=needed,
+                  weight_dtype=rollout.weight_dtype)
 
 
 def _layers_label(position: dict) -> str:

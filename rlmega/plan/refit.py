@@ -24,6 +24,7 @@ from typing import Optional
 from rlmega.errors import UserError
 from rlmega.plan.meta_build import StageCoordinates
 from rlmega.plan.sliced_refit import SlicedRefit, predict_sliced
+from rlmega.rollout.engine_bytes import fp8_stream_fraction
 
 GB = 1e9
 
@@ -126,7 +127,9 @@ def _engine_gpus(config, layout) -> list[list[int]]:
 
 def plan_refit(config, layout, positions: list[dict], preset, spec, hf_config: dict) -> Refit:
     """The refit of ``config``'s transport, and the sliced target (``spec``, ``hf_config``: the model's)."""
-    refit = _funnel(config, layout, positions, preset)
+    # An FP8 sync streams the linear weights quantized: about half the bytes, the same tensors.
+    fraction = fp8_stream_fraction(hf_config) if config.rollout.weight_dtype == "fp8" else 1.0
+    refit = _funnel(config, layout, positions, preset, fraction)
     if not config.rollout.num_engines:
         return refit
     try:
@@ -142,8 +145,9 @@ def plan_refit(config, layout, positions: list[dict], preset, spec, hf_config: d
     return refit
 
 
-def _funnel(config, layout, positions: list[dict], preset) -> Refit:
-    """Through trainer rank 0: the owners' bytes to it, and from it to every engine."""
+def _funnel(config, layout, positions: list[dict], preset, stream_fraction: float = 1.0) -> Refit:
+    """Through trainer rank 0: the owners' bytes to it, and from it to every engine (``stream_fraction`` of the
+    HF bytes the owners send: rank 0 quantizes an FP8 sync before it streams)."""
     totals = _totals(layout, positions)
     gpn, nvlink = config.plan.gpus_per_node, preset.nvlink_gb_per_s
     ib_per_gpu = config.plan.ib_gb_per_s / gpn
@@ -153,7 +157,7 @@ def _funnel(config, layout, positions: list[dict], preset) -> Refit:
         if row["link"] != "self":
             inbound[row["link"]] += row["count"] * row["bytes_each"]
     engines = _engine_gpus(config, layout)
-    streamed = totals["bytes"]
+    streamed = totals["bytes"] * stream_fraction
     transport = config.sync.transport
     if transport == "auto":  # as rlmega.sync.make_transport picks for engine actors
         transport = "shared_memory" if all(gpus[0] // gpn == 0 for gpus in engines) else "object_store"

@@ -83,7 +83,8 @@ def render(plan: Plan) -> str:
     engine = plan.engine
     lines += [
         "",
-        f"engines    {engine.gpus} GPUs ({plan.placement}): weights {_gib(engine.weights)} GiB, workspace "
+        f"engines    {engine.gpus} GPUs ({plan.placement}): weights {_gib(engine.weights)} GiB"
+        f"{' in fp8' if engine.weight_dtype == 'fp8' else ''}, workspace "
         f"{_gib(engine.workspace)} GiB, KV cache {_gib(engine.kv_cache)} GiB per GPU = {engine.kv_tokens:,} tokens "
         f"per replica ({engine.kv_bytes_per_token / 1024:.1f} KiB per token); a step needs {engine.tokens_needed:,} "
         f"at full length" + ("" if engine.kv_tokens >= engine.tokens_needed else

@@ -177,7 +177,7 @@ def _job(config, spec, preset) -> layout_cost.Job:
         shape=formulas.Shape.of(spec), layer_kinds=kinds, tied=spec.tie_word_embeddings,
         train_tokens=config.trainer.prompts_per_step * config.rollout.n * longest,
         forward_passes=1 + bool(config.needs_reference), optimizer_steps=config.actor.ppo_mini_batches,
-        trained_roles=trained, resident_roles=int(bool(config.needs_reference and not config.ref.offload)),
+        trained_roles=trained, resident_roles=int(bool(config.builds_reference_model and not config.ref.offload)),
         max_new_tokens=config.rollout.max_new_tokens, gpus_per_node=config.plan.gpus_per_node,
         ib_gb_per_s=config.plan.ib_gb_per_s, gpu_memory=preset.memory_gib * GIB,
         headroom=config.plan.min_headroom_gib * GIB, reserved=config.plan.reserved_gib * GIB,

@@ -25,6 +25,7 @@ import dataclasses
 import math
 from typing import Iterator, Optional
 
+from rlmega.bridge.fp8 import is_quantized, scale_shape
 from rlmega.rollout.engine_common import moe_layer_indices
 
 COLUMN, ROW, VOCAB, REPLICATED, KV_COLUMN, EXPERT_COLUMN, EXPERT_ROW = (
@@ -40,6 +41,9 @@ class EngineLayout:
     data_parallel_size: int = 1
     dtype_bytes: int = 2
     """bytes per element of the engine's weights (2 for bf16)"""
+    weight_dtype: str = "auto"
+    """fp8: the linear weights held as blockwise FP8 (``rlmega.bridge.fp8``: a byte per element and fp32 scales
+    per 128 x 128 block), the rest in ``dtype_bytes``"""
 
     def __post_init__(self):
         if self.world_size % self.expert_parallel_size:
@@ -236,6 +240,22 @@ def hf_tensors(config: dict) -> Iterator[HFTensor]:
         yield HFTensor("lm_head.weight", (vocab, hidden), VOCAB)
 
 
+def tensor_bytes(tensor: HFTensor, numel: int, layout: EngineLayout) -> int:
+    """Bytes of ``numel`` elements of ``tensor`` as the engine holds them (an FP8 weight's slice with its share
+    of the scales)."""
+    if layout.weight_dtype == "fp8" and is_quantized(tensor.name, tensor.shape):
+        scales = 4 * math.prod(scale_shape(tensor.shape))
+        return numel + -(-scales * numel // tensor.numel)
+    return numel * layout.dtype_bytes
+
+
+def fp8_stream_fraction(config: dict, dtype_bytes: int = 2) -> float:
+    """The bytes of the model's HF tensors with its linear weights in blockwise FP8, over those in ``dtype_bytes``
+    per element: what an FP8 weight sync streams, as a share of the unquantized stream."""
+    fp8 = engine_rank_bytes(config, EngineLayout(dtype_bytes=dtype_bytes, weight_dtype="fp8")).whole
+    return fp8 / engine_rank_bytes(config, EngineLayout(dtype_bytes=dtype_bytes)).whole
+
+
 def engine_rank_bytes(config: dict, layout: EngineLayout) -> EngineRankBytes:
     """Per engine rank, the bytes of one weight update: whole tensors, and only the slices it holds."""
     num_experts = config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts")
@@ -243,7 +263,7 @@ def engine_rank_bytes(config: dict, layout: EngineLayout) -> EngineRankBytes:
         raise ValueError(f"expert_parallel_size={layout.expert_parallel_size} must divide the {num_experts} experts")
     whole, sliced = 0, [0] * layout.world_size
     for tensor in hf_tensors(config):
-        whole += tensor.numel
+        whole += tensor_bytes(tensor, tensor.numel, layout)
         for rank in range(layout.world_size):
-            sliced[rank] += held_numel(tensor, layout, rank)
-    return EngineRankBytes(layout, whole * layout.dtype_bytes, tuple(n * layout.dtype_bytes for n in sliced))
+            sliced[rank] += tensor_bytes(tensor, held_numel(tensor, layout, rank), layout)
+    return EngineRankBytes(layout, whole, tuple(sliced))

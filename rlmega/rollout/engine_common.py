@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import tempfile
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from rlmega.rollout.fp8_weights import check_weight_dtype, for_fp8_checkpoint, is_fp8_checkpoint, write_fp8_checkpoint
 from rlmega.rollout.protocol import FinishReason, Generation, SamplingParams, UnknownWeightError
 from rlmega.rollout.sampling import request_generator
 from rlmega.rollout.weight_group import DEFAULT_GROUP_NAME, WeightMeta
@@ -373,8 +375,16 @@ class EngineAdapter(UpdateSteps, ABC):
 
     engine_name: str  # health()["engine"]
 
-    def __init__(self, model: str | Path, *, bucket_bytes: int, engine_version: str, record_routing: bool = False):
+    def __init__(self, model: str | Path, *, bucket_bytes: int, engine_version: str, record_routing: bool = False,
+                 weight_dtype: str = "auto"):
+        check_weight_dtype(weight_dtype)
         self.model_path = Path(model)
+        self._fp8_copy: tempfile.TemporaryDirectory | None = None
+        if weight_dtype == "fp8" and not is_fp8_checkpoint(self.model_path):
+            # The engines build block-FP8 layers only for an FP8 checkpoint (its quantization_config and
+            # weight_scale_inv tensors): start them from a quantized copy, removed with the adapter.
+            self._fp8_copy = tempfile.TemporaryDirectory(prefix="rlmega-fp8-")
+            self.model_path = write_fp8_checkpoint(self.model_path, self._fp8_copy.name)
         self.facts = ModelFacts.from_checkpoint(self.model_path)
         if record_routing:
             check_routable(self.facts)
@@ -501,7 +511,8 @@ class EngineAdapter(UpdateSteps, ABC):
     # ------------------------------------------------------------------ weights, colocated
 
     def _checked_buckets(self, named_tensors: Iterable[tuple[str, torch.Tensor]]):
-        return checked_buckets(named_tensors, self.weights, self.bucket_bytes)
+        return checked_buckets(for_fp8_checkpoint(named_tensors, self.weights.shapes), self.weights,
+                               self.bucket_bytes)
 
     def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         self._prepare_engine()
@@ -555,6 +566,10 @@ class EngineAdapter(UpdateSteps, ABC):
             raise RuntimeError("receive_weights needs a weight-update group: call init_weight_update_group first")
         metas = [(name, dtype, tuple(shape)) for name, dtype, shape in metas]
         slots = {self.weights.check(name, torch.empty(shape, device="meta")) for name, _, shape in metas}
+        for name, dtype, _ in metas:  # a broadcast goes to the engine's loader as it is: nothing can quantize it
+            if dtype != "float8_e4m3fn" and name + "_scale_inv" in self.weights.shapes:
+                raise ValueError(f"weight {name!r} arrives as {dtype}, but this engine serves it in FP8: broadcast "
+                                 "it as float8_e4m3fn followed by its _scale_inv (rlmega.bridge.fp8.quantized_buckets)")
         if not metas:
             return
         with self._updates.sending(slots):

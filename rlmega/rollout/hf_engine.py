@@ -17,7 +17,9 @@ from collections.abc import Iterable, Sequence
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, DynamicCache, PreTrainedModel
 
+from rlmega.bridge.fp8 import fp8_rounded, is_quantized
 from rlmega.rollout.engine_common import check_requests, paused_generations
+from rlmega.rollout.fp8_weights import check_weight_dtype, is_fp8_checkpoint, load_fp8_checkpoint, served_stream
 from rlmega.rollout.engine_lock import runs_model, serialised
 from rlmega.rollout.hf_routing import RoutingRecorder, routing_or_none
 from rlmega.rollout.hf_weights import HFWeightMap, WeightTarget
@@ -48,17 +50,22 @@ class HFEngine(UpdateSteps):
     model, which the engine then owns: it is moved to ``device``/``dtype`` and its weights are
     overwritten by ``update_weights``. Safe to call from several threads: generation and weight changes
     run one at a time (``serialised``), and ``pause_generation`` stops a running ``generate`` between
-    two decoding steps.
+    two decoding steps. ``weight_dtype="fp8"``: the engine serves its linear weights as blockwise FP8
+    (``rlmega.rollout.fp8_weights``); FP8 updates (weight + ``_scale_inv``) are accepted either way.
     """
 
     def __init__(self, model: str | os.PathLike | PreTrainedModel, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", attn_implementation: str | None = None,
-                 weight_noise_std: float = 0.0, record_routing: bool = False):
+                 weight_noise_std: float = 0.0, record_routing: bool = False, weight_dtype: str = "auto"):
+        check_weight_dtype(weight_dtype)
         if isinstance(model, (str, os.PathLike)):
             extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
             vision_language = AutoConfig.from_pretrained(model).model_type in VISION_LANGUAGE_MODEL_TYPES
             loader = AutoModelForImageTextToText if vision_language else AutoModelForCausalLM
-            model = loader.from_pretrained(model, dtype=dtype, **extra)
+            if is_fp8_checkpoint(model):
+                model = load_fp8_checkpoint(model, loader, dtype, **extra)
+            else:
+                model = loader.from_pretrained(model, dtype=dtype, **extra)
         elif model.dtype != dtype:
             model = model.to(dtype)
         self.device = torch.device(device)
@@ -85,6 +92,11 @@ class HFEngine(UpdateSteps):
         self._routing = RoutingRecorder(self.model) if record_routing else None
         self._noise_std = weight_noise_std
         self._noise = torch.Generator(device=self.device).manual_seed(0)
+        # "fp8": serve every quantizable weight as an FP8 engine does (blockwise FP8, dequantized for the
+        # computation), from the checkpoint on, to show the FP8 rollout's train-inference mismatch on CPU.
+        self._fp8 = weight_dtype == "fp8"
+        if self._fp8:
+            self._round_weights_through_fp8()
         if weight_noise_std:
             for weight in self._weights.tensors.values():
                 self._perturb(weight.data)
@@ -209,8 +221,9 @@ class HFEngine(UpdateSteps):
     # ------------------------------------------------------------------ weights
 
     def _checked_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]):
-        """Each tensor a bucket of its own, checked as it arrives: nothing of the stream is held beyond it."""
-        for name, tensor in named_tensors:
+        """Each tensor a bucket of its own, checked as it arrives: nothing of the stream is held beyond it (an FP8
+        weight until its scales, which follow it)."""
+        for name, tensor in served_stream(named_tensors, fp8=self._fp8):
             target = self._weights.resolve(name)
             check_shape(name, tensor, target.shape)
             yield (target, tensor), target.slots
@@ -226,6 +239,14 @@ class HFEngine(UpdateSteps):
         weight.data[target.index].copy_(tensor)
         if self._noise_std:
             self._perturb(weight.data[target.index])
+
+    @torch.no_grad()
+    def _round_weights_through_fp8(self) -> None:
+        for slot in self._weights.slots:
+            target = self._weights.resolve(slot)
+            if is_quantized(slot, target.shape):
+                region = self._weights.tensors[target.tensor_name].data[target.index]
+                region.copy_(fp8_rounded(region))
 
     def _perturb(self, weight: torch.Tensor) -> None:
         noise = torch.randn(weight.shape, generator=self._noise, device=weight.device, dtype=torch.float32)

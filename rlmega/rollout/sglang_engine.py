@@ -287,17 +287,18 @@ class SGLangEngine(EngineAdapter):
     reproducible only with ``enable_deterministic_inference=True`` (SGLang ignores per-request seeds
     otherwise). Every engine call runs on one thread (``_EngineThread``), so the adapter may be called from
     any thread. ``record_routing=True`` (a MoE checkpoint only: a dense one raises ``ValueError`` here) makes
-    every ``Generation`` carry ``routing``, ``[P + R, M, k]`` int16.
+    every ``Generation`` carry ``routing``, ``[P + R, M, k]`` int16. ``weight_dtype="fp8"``: the engine serves
+    blockwise FP8 from an FP8 copy of the checkpoint (``EngineAdapter``); updates are quantized on the way in.
     """
 
     engine_name = "sglang"
 
     def __init__(self, model: str | os.PathLike, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 record_routing: bool = False, **server_kwargs):
+                 record_routing: bool = False, weight_dtype: str = "auto", **server_kwargs):
         self._sglang = _import_sglang()
         server_kwargs = adapter_settings("SGLangEngine", server_kwargs, _engine_settings(record_routing))
         super().__init__(model, bucket_bytes=bucket_bytes, engine_version=self._sglang.__version__,
-                         record_routing=record_routing)
+                         record_routing=record_routing, weight_dtype=weight_dtype)
         self.keeps_weights_asleep = bool(server_kwargs.get("enable_weights_cpu_backup", False))
         self.engine = _new_engine(self._sglang, str(self.model_path), server_kwargs)
         self._loop = _EngineThread()

@@ -311,13 +311,15 @@ class VLLMEngine(EngineAdapter):
     ``Generation`` carry ``routing``, ``[P + R, M, k]`` int16 (vLLM then needs prefix caching, its default,
     and refuses pipeline or context parallelism). ``weight_transfer`` is vLLM's weight-transfer backend
     (``WEIGHT_TRANSFERS``): ``"nccl"`` for rlmega's transports, ``"sharded_rdt"`` for ``ShardedSync``.
+    ``weight_dtype="fp8"``: vLLM serves blockwise FP8 from an FP8 copy of the checkpoint (``EngineAdapter``);
+    updates are quantized on the way in.
     """
 
     engine_name = "vllm"
 
     def __init__(self, model: str | os.PathLike, *, in_process: bool = True,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, record_routing: bool = False,
-                 weight_transfer: str = "nccl", **engine_kwargs):
+                 weight_transfer: str = "nccl", weight_dtype: str = "auto", **engine_kwargs):
         if weight_transfer not in WEIGHT_TRANSFERS:
             raise ValueError(f"VLLMEngine weight_transfer={weight_transfer!r}: choose one of {list(WEIGHT_TRANSFERS)}")
         executor = executor_backend(weight_transfer)
@@ -328,7 +330,7 @@ class VLLMEngine(EngineAdapter):
         self._vllm = _import_vllm()
         self.weight_transfer = weight_transfer
         super().__init__(model, bucket_bytes=bucket_bytes, engine_version=self._vllm.__version__,
-                         record_routing=record_routing)
+                         record_routing=record_routing, weight_dtype=weight_dtype)
         engine_kwargs.setdefault("gpu_memory_utilization", DEFAULT_GPU_MEMORY_UTILIZATION)
         engine_kwargs = adapter_settings("VLLMEngine", engine_kwargs, _engine_settings(
             record_routing, weight_transfer, multimodal=self.facts.image_token_id is not None))

@@ -51,9 +51,15 @@ def weight_meta(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> list[Weigh
 def broadcast_weights(group: dist.ProcessGroup, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Trainer side (rank 0): broadcast each tensor, in order. The engine side must be receiving the same
     names in the same order (``receive_weights``, or SGLang's ``update_weights_from_distributed``)."""
-    handles = [dist.broadcast(tensor.contiguous(), src=0, group=group, async_op=True) for _, tensor in named_tensors]
+    handles = [dist.broadcast(_as_bytes(tensor.contiguous()), src=0, group=group, async_op=True)
+               for _, tensor in named_tensors]
     for handle in handles:
         handle.wait()
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """FP8 tensors travel as their bytes: gloo has no FP8 type (NCCL moves FP8 as bytes either way)."""
+    return tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor
 
 
 def receive_weights(group: dist.ProcessGroup, metas: Sequence[WeightMeta],
@@ -62,7 +68,7 @@ def receive_weights(group: dist.ProcessGroup, metas: Sequence[WeightMeta],
     received, handles = [], []
     for name, dtype, shape in metas:
         tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-        handles.append(dist.broadcast(tensor, src=0, group=group, async_op=True))
+        handles.append(dist.broadcast(_as_bytes(tensor), src=0, group=group, async_op=True))
         received.append((name, tensor))
     for handle in handles:
         handle.wait()

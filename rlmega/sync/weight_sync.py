@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Protocol, Sequen
 
 from rlmega.bridge import DEFAULT_BUCKET_BYTES
 from rlmega.bridge.export import export_hf_buckets
+from rlmega.bridge.fp8 import quantized_buckets
 from rlmega.models.spec import ModelSpec
 from rlmega.rollout.protocol import RolloutEngine
 from rlmega.sync.buckets import NamedTensors, nbytes_of
@@ -63,8 +64,11 @@ class GatheredTransport:
     ``buckets``, a bucket transport."""
 
     def __init__(self, chunks: list, spec: ModelSpec, engines: Optional[Sequence], buckets: Optional[BucketTransport],
-                 *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, engine_rank: int = 0):
+                 *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, engine_rank: int = 0, weight_dtype: str = "auto"):
+        """``weight_dtype``: the engines' (``rollout.weight_dtype``); with ``fp8`` the buckets carry every linear
+        weight blockwise-quantized with its scales (``rlmega.bridge.fp8``), about half the bytes."""
         self.chunks, self.spec, self.bucket_bytes, self.engine_rank = chunks, spec, bucket_bytes, engine_rank
+        self.weight_dtype = weight_dtype
         self.engines = list(engines) if engines is not None else None
         self.buckets = buckets
         self.name = buckets.name if buckets is not None else "gathered"
@@ -75,8 +79,11 @@ class GatheredTransport:
         completes."""
         totals = {"tensors": 0, "bytes": 0}
         started = time.perf_counter()
-        buckets = _counted(export_hf_buckets(self.chunks, self.spec, bucket_bytes=self.bucket_bytes,
-                                             destinations=[self.engine_rank]), totals)
+        exported = export_hf_buckets(self.chunks, self.spec, bucket_bytes=self.bucket_bytes,
+                                     destinations=[self.engine_rank])
+        if self.weight_dtype == "fp8" and self.engines is not None:
+            exported = quantized_buckets(exported)
+        buckets = _counted(exported, totals)
         if self.engines is None:
             for _ in buckets:
                 pass
@@ -105,10 +112,11 @@ class WeightSync:
 
     @classmethod
     def build(cls, config: SyncConfig, chunks: list, spec: ModelSpec, engines: Optional[list], *,
-              atol: float, sliced: Optional["SlicedSetup"] = None) -> WeightSync:
+              atol: float, sliced: Optional["SlicedSetup"] = None, weight_dtype: str = "auto") -> WeightSync:
         """This training rank's weight sync into ``engines`` (on rank 0, the sender; None on the other ranks), with
         its transport chosen now, once, and the post-sync check at tolerance ``atol``; ``sliced``: where things
-        are, which the ``sliced`` transport plans by. Collective."""
+        are, which the ``sliced`` transport plans by; ``weight_dtype``: the engines' (``fp8``: the bridge's buckets
+        are quantized before they travel). Collective."""
         if config.transport == SHARDED_RDT:
             from rlmega.sync.vllm_sharded import ShardedSync
 
@@ -124,7 +132,8 @@ class WeightSync:
         else:
             buckets = None if engines is None else make_transport(
                 config.transport, engines, bucket_bytes=config.bucket_bytes, timeout_s=config.timeout_s)
-            transport = GatheredTransport(chunks, spec, engines, buckets, bucket_bytes=config.bucket_bytes)
+            transport = GatheredTransport(chunks, spec, engines, buckets, bucket_bytes=config.bucket_bytes,
+                                          weight_dtype=weight_dtype)
         return cls(transport, PostSyncCheck(chunks, spec, engines, atol))
 
     def push(self, version: int) -> SyncStats:

@@ -93,7 +93,11 @@ class Trainer:
                 if self.preempted:
                     print(f"preempted: checkpoint saved at step {step}", flush=True)
                     return PREEMPTED_EXIT_CODE
-            if self.config.export_hf:
+            if self.config.export_hf and self.config.actor.lora.enabled:  # its checkpoints hold the adapters alone
+                note = self.actor.export_lora(self.run_dir / "hf", self.run_dir / "hf_adapter", self.config.model.path)
+                print(f"exported HF checkpoint to {self.run_dir / 'hf'}" + (f"; note: {note}" if note else
+                      f" and PEFT adapter to {self.run_dir / 'hf_adapter'}"), flush=True)
+            elif self.config.export_hf:
                 export_hf(self.run_dir / "checkpoints" / "actor", self.run_dir / "hf", self.config.model.path)
             return 0
         finally:

@@ -9,6 +9,7 @@ test can drive the ``Trainer`` with fakes, without Ray or processes.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Optional, Protocol
 
 import torch
@@ -97,6 +98,12 @@ class ActorGroup:
 
     def sft_step(self, batch: SequenceBatch, lr: float) -> dict[str, float]:
         return self._ranks.first(RankProcess.sft_step, batch, lr, what="supervised step")
+
+    def export_lora(self, merged_dir: Path, adapter_dir: Path, base_model: str) -> Optional[str]:
+        """A LoRA actor's merged weights as an HF checkpoint and its adapters as a PEFT adapter directory; a note on
+        what was not written, if anything."""
+        return self._ranks.first(RankProcess.export_lora, str(merged_dir), str(adapter_dir), base_model,
+                                 what="LoRA export")
 
     def connect(self, engines: list) -> None:
         """The ranks' weight sync into ``engines`` (``Engines.handles``), its transport chosen once."""

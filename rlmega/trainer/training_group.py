@@ -37,6 +37,7 @@ class RankProcess:
         self.weight_sync = None
         """The run's weight sync into the engines (``connect_engines``), on the policy's ranks."""
         self.sliced_setup = None  # where things are, for sync.transport=sliced (set up with the policy)
+        self.engine_weight_dtype = "auto"
 
     def address(self) -> tuple[str, int, str, str]:
         """This node's IP, the rendezvous port (rank 0: its process-group store's, bound here; 0 on the
@@ -74,8 +75,9 @@ class RankProcess:
 
         self.sliced_setup = SlicedSetup(self.layout, config.model.path, config.rollout.placement == "colocated",
                                         config.plan.gpus_per_node)
+        self.engine_weight_dtype = config.rollout.weight_dtype  # fp8: the sync sends quantized weights
         roles = {"actor": config.actor}
-        if config.needs_reference:
+        if config.builds_reference_model:  # a LoRA actor is its own reference, adapters off
             roles["ref"] = config.ref
         if config.needs_critic:
             roles["critic"] = config.critic
@@ -126,6 +128,8 @@ class RankProcess:
     # ---- the roles' work ------------------------------------------------------------------
 
     def compute_logprobs(self, role: str, batch: SequenceBatch):
+        if role == "ref" and role not in self.workers:  # a LoRA actor: the reference is its base model
+            return self._rank0(self.workers["actor"].compute_logprobs(batch, adapters=False))
         return self._rank0(self.workers[role].compute_logprobs(batch))
 
     def compute_values(self, batch: SequenceBatch):
@@ -143,11 +147,20 @@ class RankProcess:
     def sft_step(self, batch: SequenceBatch, lr: float) -> Optional[dict]:
         return self._rank0(self.workers["actor"].sft_step(batch, lr))
 
+    def export_lora(self, merged_dir: str, adapter_dir: str, base_model: str) -> Optional[str]:
+        from rlmega.trainer.lora_export import export_lora
+
+        return self._rank0(export_lora(self.workers["actor"], Path(merged_dir), Path(adapter_dir), base_model))
+
     def reference_from_actor(self) -> None:
         """Make the reference model the actor's current weights (after a supervised warm-start the
-        warm-started model, not the initial checkpoint, is what the KL term should stay near)."""
+        warm-started model, not the initial checkpoint, is what the KL term should stay near). A LoRA actor's
+        reference is its base model, so its adapters are folded into the base."""
         import torch
 
+        if "ref" not in self.workers:  # a LoRA actor's reference is its base model: the adapters go into it
+            self.workers["actor"].fold_adapters()
+            return
         reference, actor = self.workers["ref"], self.workers["actor"]
         with reference._on_device(), torch.no_grad():
             for target, source in zip(_parameters(reference.chunks), _parameters(actor.chunks), strict=True):
@@ -189,7 +202,8 @@ class RankProcess:
         from rlmega.sync import WeightSync
 
         return WeightSync.build(self.sync_config, self.workers["actor"].chunks, self.spec,
-                                engines if self.rank == 0 else None, atol=self.post_sync_atol, sliced=self.sliced_setup)
+                                engines if self.rank == 0 else None, atol=self.post_sync_atol, sliced=self.sliced_setup,
+                                weight_dtype=self.engine_weight_dtype)
 
     # ---- the job's state ------------------------------------------------------------------
 

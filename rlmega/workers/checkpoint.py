@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from rlmega.bridge.hf_checkpoint import CheckpointError
 from rlmega.bridge.torch_dist_files import check_files, find_damage, read_index
+from rlmega.models.lora import is_adapter_key
 from rlmega.models.spec import sharded_model_state
 from rlmega.workers.optimizer_state import LEGACY_METADATA, SHARDED_METADATA, for_this_optimizer, sub_optimizers
 
@@ -41,13 +42,14 @@ def _in_process_write_results() -> None:
     queue that it creates, at the first save, as a ``spawn`` multiprocessing Manager: a process that imports
     torch (~5 s of CPU on a small machine) and then lives as long as the rank (~300 MB). We only save
     synchronously, so the results are put and taken by the rank itself, and a queue of the rank's own serves.
-    Installed once, before the first save; other releases are left alone (the patch is checked against 0.16)."""
+    Installed once, before the first save; other releases are left alone (0.16 through 0.19 keep the queue in the
+    module's ``_results_queue`` and create it only while that is None)."""
     from megatron.core import __version__
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from rlmega.parallel.mcore_version import major_minor
+    from rlmega.parallel.mcore_version import SUPPORTED, major_minor
 
-    if major_minor(__version__) == (0, 16) and filesystem_async._results_queue is None:
+    if major_minor(__version__) in SUPPORTED and filesystem_async._results_queue is None:
         import queue
         filesystem_async._results_queue = queue.Queue()
 
@@ -119,8 +121,11 @@ def _with_optimizer_states(optimizer) -> None:
 
 
 def _sharded_state(chunks, optimizer, scheduler, *, is_loading: bool, with_rng: bool,
-                   optimizer_metadata: dict = SHARDED_METADATA) -> dict:
+                   optimizer_metadata: dict = SHARDED_METADATA, adapters_only: bool = False) -> dict:
     state = sharded_model_state([_without_ddp(chunk) for chunk in chunks])
+    if adapters_only:  # LoRA over base weights that the HF checkpoint holds: the adapters alone
+        state = {key: {name: value for name, value in model.items() if is_adapter_key(name)}
+                 for key, model in state.items()}
     if optimizer is not None:
         model_state = state["model"] if len(state) == 1 else dict(state)
         state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading,
@@ -132,8 +137,9 @@ def _sharded_state(chunks, optimizer, scheduler, *, is_loading: bool, with_rng: 
 
 
 def save_checkpoint(root: str | Path, step: int, chunks: list, optimizer=None, scheduler=None, *,
-                    layout_description: str = "", extra: Optional[dict] = None) -> Path:
-    """Save everything needed to continue training as ``root/iter_{step}``; collective. Returns the path."""
+                    layout_description: str = "", extra: Optional[dict] = None, adapters_only: bool = False) -> Path:
+    """Save everything needed to continue training as ``root/iter_{step}``; collective. Returns the path.
+    ``adapters_only``: of the model, only its LoRA adapters (the base weights are the HF checkpoint's)."""
     from megatron.core import dist_checkpointing
 
     root = Path(root)
@@ -143,7 +149,7 @@ def save_checkpoint(root: str | Path, step: int, chunks: list, optimizer=None, s
         shutil.rmtree(staging, ignore_errors=True)  # left by an earlier crash
         staging.mkdir()
     dist.barrier()
-    state = _sharded_state(chunks, optimizer, scheduler, is_loading=False, with_rng=True)
+    state = _sharded_state(chunks, optimizer, scheduler, is_loading=False, with_rng=True, adapters_only=adapters_only)
     state["step"] = step
     state["extra"] = extra or {}
     _in_process_write_results()
@@ -152,7 +158,7 @@ def save_checkpoint(root: str | Path, step: int, chunks: list, optimizer=None, s
     if dist.get_rank() == 0:
         (staging / METADATA).write_text(json.dumps(
             {"step": step, "world_size": dist.get_world_size(), "layout": layout_description,
-             "optimizer_keys": "by_parameter"}, indent=1))
+             "optimizer_keys": "by_parameter", "model": "adapters" if adapters_only else "whole"}, indent=1))
         if final.exists():
             shutil.rmtree(final)
         os.replace(staging, final)
@@ -184,8 +190,9 @@ def _older_one(directory: Path) -> str:
 
 def load_checkpoint(path: str | Path, chunks: list, optimizer=None, scheduler=None) -> tuple[int, dict]:
     """Load the checkpoint at ``path`` (an ``iter_*`` directory or its root) into this rank's model,
-    optimizer and schedule, whatever layout it was saved with; collective. Returns ``(step, extra)``. A file of
-    it that is missing, cut short or garbled raises CheckpointError naming the file."""
+    optimizer and schedule, whatever layout it was saved with; collective. Returns ``(step, extra)``; ``extra``
+    says ``adapters_only`` when the checkpoint held a model's LoRA adapters alone (the base weights stay as they
+    are). A file of it that is missing, cut short or garbled raises CheckpointError naming the file."""
     from megatron.core import dist_checkpointing
 
     directory = latest_checkpoint(path)
@@ -206,9 +213,13 @@ def load_checkpoint(path: str | Path, chunks: list, optimizer=None, scheduler=No
         )
     if optimizer is not None:
         _with_optimizer_states(optimizer)
+    adapters_only = metadata.get("model") == "adapters"
     sharded = _sharded_state(chunks, optimizer, scheduler, is_loading=True, with_rng=same_world,
                              optimizer_metadata=SHARDED_METADATA if metadata.get("optimizer_keys") == "by_parameter"
-                             else LEGACY_METADATA)
+                             else LEGACY_METADATA, adapters_only=adapters_only)
+    if adapters_only and not any(sharded[key] for key in sharded if key.startswith("model")):
+        raise CheckpointError(f"checkpoint {directory} holds LoRA adapters only; this model has none "
+                              "(set actor.lora.rank and target_modules as in the run that saved it)")
     check_files(directory, read_index(directory))  # a missing or cut shard file, named before Megatron reads any
     try:
         # The CPU-offloaded optimizer's param groups name the torch optimizer classes it steps with.
@@ -221,7 +232,7 @@ def load_checkpoint(path: str | Path, chunks: list, optimizer=None, scheduler=No
         raise CheckpointError(f"{damage}; {_older_one(directory)}") from error
     model_keys = [key for key in state if key == "model" or (key.startswith("model") and key[5:].isdigit())]
     for chunk, key in zip(chunks, sorted(model_keys, key=lambda key: int(key[5:] or 0))):
-        _without_ddp(chunk).load_state_dict(state[key])
+        _load_model_state(_without_ddp(chunk), state[key], adapters_only)
     if optimizer is not None:
         optimizer.load_state_dict(for_this_optimizer(optimizer, state["optimizer"]))
         scheduler.load_state_dict(state["scheduler"])
@@ -233,4 +244,16 @@ def load_checkpoint(path: str | Path, chunks: list, optimizer=None, scheduler=No
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
         get_cuda_rng_tracker().set_states(rng["tracker"])
-    return int(state["step"]), dict(state["extra"])
+    return int(state["step"]), {**state["extra"], "adapters_only": adapters_only}
+
+
+def _load_model_state(model, state: dict, adapters_only: bool) -> None:
+    """``model.load_state_dict(state)``; with ``adapters_only`` the state holds every adapter and nothing else."""
+    if not adapters_only:
+        model.load_state_dict(state)
+        return
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [key for key in missing if is_adapter_key(key)]
+    if missing or unexpected:
+        raise CheckpointError(f"the checkpoint's adapters do not fit this model: {(missing or unexpected)[0]!r} is "
+                              f"{'missing' if missing else 'unexpected'}; use the LoRA settings it was saved with")

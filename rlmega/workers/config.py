@@ -9,6 +9,7 @@ from typing import Optional
 from rlmega.algos import (
     POLICY_LOSS_CONFIGS, BaseLossConfig, PolicyLoss, get_policy_loss_config, loss_option_types, loss_options,
 )
+from rlmega.models.lora import LoraConfig
 from rlmega.workers.roles import ROLES
 
 LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
@@ -172,6 +173,9 @@ class WorkerConfig:
     freeze_vision: bool = True
     """A vision-language model's vision tower (patch embedding, blocks, merger) stays fixed: the common choice
     in RL, where the language model learns to read what the tower sees."""
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    """The actor only: train low-rank adapters on the linear layers over frozen base weights (``lora.rank > 0``);
+    the reference log-probs then come from the actor with its adapters off (``rlmega.models.lora``)."""
     router_replay: str = "none"
     """MoE routing replay (``rlmega.workers.routing``): ``none``; ``r2``: the old-log-prob pass records
     every token's experts and the update replays them; ``r3``: the batch's routing (from the rollout
@@ -196,6 +200,9 @@ class WorkerConfig:
             raise ValueError(f"activation_offload_layers must be >= 0, got {self.activation_offload_layers}")
         if self.router_replay not in ("none", "r2", "r3"):
             raise ValueError(f"router_replay={self.router_replay!r} must be none, r2 or r3")
+        self.lora.check(f"{self.role}.lora")
+        if self.lora.enabled and self.role != "actor":
+            raise ValueError(f"{self.role}.lora: LoRA adapters are for the actor; set {self.role}.lora.rank=0")
         if self.activation_offload_layers and self.recompute_granularity:
             raise ValueError("activation_offload_layers and recompute_granularity exclude each other (Megatron's rule)")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from rlmega.models import lora
 from rlmega.models.reward_head import ScoreHead
 from rlmega.models.spec import ModelSpec, build_chunks, has_transformer_engine
 from rlmega.parallel.layout import ParallelLayout
@@ -94,6 +95,9 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, config: WorkerConfig) -
     for model in models:
         if model.post_process:
             lm_head.install(model, spec.vocab_size)  # logits of the response rows and real tokens only
+    if config.lora.enabled:
+        for model in models:  # frozen base, trainable adapters: Megatron's DDP and optimizer take only the adapters
+            lora.attach(model, config.lora)
     if dtype != torch.float32:
         models = [Float16Module(transformer_config, model) for model in models]
     if not role.trains:

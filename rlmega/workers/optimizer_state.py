@@ -83,3 +83,20 @@ def for_this_optimizer(optimizer, loaded: dict):
     if len(subs) == 1:
         return parts[0]
     return {index: part for index, part in enumerate(parts)}
+
+
+def clear_moments(optimizer) -> int:
+    """Zero Adam's moments (``exp_avg``, ``exp_avg_sq``) in place, wherever each sub-optimizer keeps them; the step
+    counts stay. For parameters restarted from new values (LoRA adapters folded into their base). Returns the
+    tensors zeroed."""
+    import torch
+
+    cleared = 0
+    for inner in sub_optimizers(optimizer):
+        torch_optimizer = getattr(inner, "optimizer", inner)
+        for state in torch_optimizer.state.values():
+            for name in ("exp_avg", "exp_avg_sq"):
+                if isinstance(state.get(name), torch.Tensor):
+                    state[name].zero_()
+                    cleared += 1
+    return cleared

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from rlmega.models import lora
 from rlmega.models.reward_head import score_position
 from rlmega.models.spec import ModelSpec, has_transformer_engine
 from rlmega.parallel.cpu_platform import direct
@@ -36,6 +37,7 @@ from rlmega.workers.config import WorkerConfig
 from rlmega.workers.context_parallel import split_micro_batch
 from rlmega.workers.model import build_model, build_optimizer, resolve_dtype, use_fused_cpu_adam
 from rlmega.workers.offload import HostOffload, TrainingState, model_tensors, optimizer_tensors
+from rlmega.workers.optimizer_state import clear_moments
 from rlmega.workers.passes import combine_metrics, run_schedule, scatter_outputs
 from rlmega.workers.perf import PerfCounter
 from rlmega.workers.roles import ROLES, Output
@@ -54,12 +56,16 @@ class MegatronWorker:
         if hf_dir is not None:
             from rlmega.bridge import load_hf_weights
 
-            load_hf_weights(self.chunks, spec, hf_dir, without_lm_head=not self.role.loads_lm_head)
+            with lora.adapters_disabled(self.chunks):  # the checkpoint holds the base weights
+                load_hf_weights(self.chunks, spec, hf_dir, without_lm_head=not self.role.loads_lm_head)
         self.optimizer = self.scheduler = None
         if self.role.trains:
             self.optimizer, self.scheduler = build_optimizer(self.chunks, config.optimizer, resolve_dtype(config), total_steps)
         self.step = 0
         self.skipped_steps = 0
+        self.base_folded = False
+        """LoRA: whether adapters were folded into the base weights (``fold_adapters``), which then differ from the HF
+        checkpoint's, so checkpoints keep the whole model and not the adapters alone."""
         self._perf = PerfCounter(self.chunks, spec)
         self._host = HostOffload()
         self._training_state = TrainingState()
@@ -68,16 +74,21 @@ class MegatronWorker:
 
     # ---- forward passes -------------------------------------------------------------------
 
-    def compute_logprobs(self, batch: SequenceBatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def compute_logprobs(self, batch: SequenceBatch, *,
+                         adapters: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per sequence, the log-probs and entropies ``[R_i]`` of its response tokens (fp32), under
-        the batch's sampling temperature (``softmax(logits / batch.temperature)``)."""
+        the batch's sampling temperature (``softmax(logits / batch.temperature)``). ``adapters=False``: a LoRA
+        actor's base model (its adapters off), which is the reference policy without a second model."""
         self.role.require("compute_logprobs")
+        if not adapters and not self.config.lora.enabled:
+            raise RuntimeError("compute_logprobs(adapters=False) needs a LoRA actor (actor.lora.rank > 0)")
         micro_batches = self._micro_batches(batch)
         head = heads.logprob_head(self.spec.vocab_size, self.config.batching.logprob_chunk_tokens, batch.logit_scale)
         # R2: the actor's old-log-prob pass records the routing its update will replay; R3 replays the engine's.
-        record = self.role.records_routing and self.config.router_replay == "r2" and batch.routing is None
+        record = adapters and self.role.records_routing and self.config.router_replay == "r2" and batch.routing is None
         routing = self._routing(micro_batches, record=record)
-        with self._on_device(), torch.no_grad():
+        base_model = contextlib.nullcontext() if adapters else lora.adapters_disabled(self.chunks)
+        with self._on_device(), torch.no_grad(), base_model:
             try:
                 results = run_schedule(self.chunks, micro_batches, head, forward_only=True, routing=routing)
             finally:
@@ -85,7 +96,7 @@ class MegatronWorker:
                     routing.finish()
         if record:
             self._recorded_routing = (batch.tokens, routing_of(batch, routing.recorded(len(batch))))
-        elif routing is not None:  # R3: how often the trainer would have chosen other experts than the engine
+        elif routing is not None and adapters:  # R3: how often the trainer chose other experts than the engine
             self._routing_metrics = routing.differing_fraction("rollout_differs")
         lengths = batch.response_lengths
         return (scatter_outputs(results, micro_batches, "logprobs", lengths),
@@ -353,6 +364,7 @@ class MegatronWorker:
             return checkpoint.save_checkpoint(
                 root, self.step if step is None else step, self.chunks, self.optimizer, self.scheduler,
                 layout_description=self.layout.describe(), extra={**(extra or {}), "skipped_steps": self.skipped_steps},
+                adapters_only=self.config.lora.enabled and not self.base_folded,
             )
 
     def load_checkpoint(self, path: str | Path) -> dict:
@@ -363,7 +375,22 @@ class MegatronWorker:
         if self.optimizer is not None:
             use_fused_cpu_adam(self.optimizer)
         self.skipped_steps = int(extra.pop("skipped_steps", 0))
+        adapters_only = extra.pop("adapters_only")
+        self.base_folded = self.config.lora.enabled and not adapters_only
         return extra
+
+    def fold_adapters(self) -> None:
+        """LoRA: merge the adapters into the base weights and restart them from B = 0 with fresh Adam moments. The
+        model computes the same; its base (the reference, adapters off) becomes what the adapted model was: after
+        a supervised warm-start, the warm-started policy."""
+        if not self.config.lora.enabled:
+            raise RuntimeError("fold_adapters needs a LoRA actor (actor.lora.rank > 0)")
+        with self._on_device():
+            self.restore_training_state()
+            lora.fold(self.chunks)
+            self.optimizer.reload_model_params()  # the fp32 master copies of B (bf16) follow
+            clear_moments(self.optimizer)
+        self.base_folded = True
 
     def export_hf_weights(self, bucket_bytes: Optional[int] = None, destinations: Optional[list[int]] = None):
         """The model's weights under HF names, streamed in buckets (see ``rlmega.bridge.export_hf_weights``)."""

@@ -122,9 +122,11 @@ def test_spec_sets_mtp_layers_and_keeps_models_without_mtp_unchanged():
 def test_mtp_model_is_gated_to_the_checked_megatron_core_release():
     from rlmega.models.mtp_model import check_mcore_version
 
-    check_mcore_version("0.16.1")
-    with pytest.raises(RuntimeError, match=r"megatron-core 0\.16\.x defines it, not 0\.17\.0's"):
-        check_mcore_version("0.17.0")
+    for version in ("0.16.1", "0.17.1", "0.18.2", "0.19.2"):
+        check_mcore_version(version)
+    with pytest.raises(RuntimeError, match=r"megatron-core 0\.16\.x through 0\.19\.x defines it, not 0\.20\.0's; "
+                                           r"install 'megatron-core>=0\.16,<0\.20'"):
+        check_mcore_version("0.20.0")
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -268,7 +270,8 @@ def _training_step(rank, world_size, layout, hf_dir):
     positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
     loss = model(tokens, positions, None, labels=labels)
     loss.mean().backward()
-    mtp_loss = MTPLossLoggingHelper.tracker["values"][0].item()
+    tracker = MTPLossLoggingHelper.tracker
+    mtp_loss = tracker["loss_values" if "loss_values" in tracker else "values"][0].item()  # renamed in 0.17
     eh_proj_grad = model.mtp.layers[0].eh_proj.weight.grad.abs().sum().item()
     destroy()
     return mtp_loss, eh_proj_grad

@@ -4,14 +4,17 @@
 #
 # A GPU machine's image usually has torch, transformers, safetensors, numpy and pytest, not Megatron-Core:
 # by default this fetches megatron-core in rlmega's own pinned range (read from setup.py), built for the
-# GPU machine's Python. Name any other requirement the machine lacks as NAME==VERSION.
+# GPU machine's Python; --every-mcore fetches the newest of each release rlmega tests (0.16 and 0.19, for
+# Python 3.12), and run_gpu_checks.sh then runs the minimal tier once with each. Name any other requirement
+# the machine lacks as NAME==VERSION.
 set -euo pipefail
 
 usage() {
     cat <<'EOF'
-Usage: bash tests/gpu/fetch_wheels.sh [--python-version X.Y] [--dest DIR] [NAME==VERSION ...]
+Usage: bash tests/gpu/fetch_wheels.sh [--python-version X.Y] [--dest DIR] [--every-mcore] [NAME==VERSION ...]
 
   --python-version X.Y  the GPU machine's Python (default: 3.12)
+  --every-mcore         megatron-core 0.16.x and 0.19.x (the releases the CPU suites run on), not only the newest
   --dest DIR            where the wheels go (default: gpu-wheels)
   NAME==VERSION         more requirements to fetch (no dependencies are followed: name each one)
   -h, --help            this text
@@ -22,11 +25,13 @@ EOF
 
 python_version=3.12
 dest=gpu-wheels
+every_mcore=0
 extra=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --python-version) [ $# -ge 2 ] || { echo "--python-version needs a value" >&2; exit 2; }; python_version="$2"; shift 2 ;;
         --dest) [ $# -ge 2 ] || { echo "--dest needs a value" >&2; exit 2; }; dest="$2"; shift 2 ;;
+        --every-mcore) every_mcore=1; shift ;;
         -h|--help) usage; exit 0 ;;
         -*) echo "unknown option: $1" >&2; usage >&2; exit 2 ;;
         *) extra+=("$1"); shift ;;
@@ -50,9 +55,14 @@ EOF
 platforms=()
 for glibc in 2_17 2_24 2_27 2_28 2_31 2_34 2_35; do platforms+=(--platform "manylinux_${glibc}_x86_64"); done
 mkdir -p "$dest"
-"$python" -m pip download --quiet --no-deps --only-binary=:all: --implementation cp \
-    --python-version "$python_version" "${platforms[@]}" --platform manylinux2014_x86_64 \
-    --dest "$dest" "$megatron" "${extra[@]}"
+fetch() {
+    "$python" -m pip download --quiet --no-deps --only-binary=:all: --implementation cp \
+        --python-version "$python_version" "${platforms[@]}" --platform manylinux2014_x86_64 --dest "$dest" "$@"
+}
+fetch "$megatron" "${extra[@]}"
+if [ $every_mcore -eq 1 ]; then  # one pip call per release: in one call pip would pick a single megatron-core
+    fetch "megatron-core==0.16.*"
+fi
 echo "wheels for Python $python_version in $dest:"
 ls -1 "$dest"/*.whl | sed 's/^/  /'
 echo "on the GPU machine: bash tests/gpu/run_gpu_checks.sh --wheels $dest"

@@ -6,7 +6,8 @@
 #                   the bridge's export of CUDA tensors, the hf engine on CUDA, an in-process sync and the
 #                   post-sync check. Installs nothing (but --wheels); about 6 minutes, each check bounded by
 #                   --check-timeout. On a machine with no package index, bring megatron-core's wheel
-#                   (tests/gpu/fetch_wheels.sh) and pass its folder with --wheels.
+#                   (tests/gpu/fetch_wheels.sh) and pass its folder with --wheels; with one wheel of each of
+#                   several megatron-core releases there (--every-mcore), the tier runs once per release.
 #   --tier cluster  a node with the GPU extras' wheels reachable: one virtual environment per extra (vLLM
 #                   and SGLang pin different torch releases; transformer-engine compiles its torch extension
 #                   on install, so it gets one of its own), each running its engine's and the worker's
@@ -21,7 +22,8 @@ Usage: bash tests/gpu/run_gpu_checks.sh [--tier minimal|cluster] [--wheels DIR] 
 
   --tier minimal        (default) single GPU, air-gapped: runs with $PYTHON (default: python3), installs nothing
   --wheels DIR          minimal tier: first unpack DIR/*.whl (from tests/gpu/fetch_wheels.sh) into a temporary
-                        folder ahead of $PYTHON's own packages, without an index or dependencies
+                        folder ahead of $PYTHON's own packages, without an index or dependencies; several
+                        megatron-core wheels there: every check runs with each of them in turn
   --tier cluster        per extra in $RLMEGA_GPU_EXTRAS (default: "vllm sglang gpu"): a venv
                         $RLMEGA_GPU_VENV_PREFIX-<extra> (default: .venv-gpu-<extra>), pip install -e .[test,<extra>]
   --check-timeout S     wall-clock limit of one check (default: 300)
@@ -163,15 +165,21 @@ run_check() {  # python, "name|node ids"
     rm -f "$log" "$measures"
 }
 
-use_wheels() {  # python: unpack the carried wheels into a temporary folder that comes first on PYTHONPATH
+use_wheels() {  # python [megatron-core wheel]: unpack the carried wheels, of several megatron-core ones the one
+    # named, into a temporary folder that comes first on PYTHONPATH (ahead of the caller's own PYTHONPATH)
     [ -n "$wheels" ] || return 0
-    local site; site="$(mktemp -d)"
+    local site wheel chosen=()
+    for wheel in "$wheels"/*.whl; do
+        case "${wheel##*/}" in megatron_core-*) [ -z "${2:-}" ] || [ "$wheel" = "$2" ] || continue ;; esac
+        chosen+=("$wheel")
+    done
+    site="$(mktemp -d)"
     "$1" -m pip install --quiet --no-index --no-deps --no-compile --disable-pip-version-check --target "$site" \
-        "$wheels"/*.whl || {
+        "${chosen[@]}" || {
         echo "FAIL wheels: $1 could not install $wheels/*.whl (for another Python? make them with" \
             "tests/gpu/fetch_wheels.sh --python-version $("$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])'))"
         exit 1; }
-    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    export PYTHONPATH="$site${caller_pythonpath:+:$caller_pythonpath}"
 }
 
 describe_environment() {  # python: one line of the versions the checks run with
@@ -209,10 +217,18 @@ check_only "$(list_checks)"
 
 if [ "$tier" = minimal ]; then
     python="${PYTHON:-python3}"
-    use_wheels "$python"
-    describe_environment "$python"
-    require_cuda "$python"
-    for check in "${MINIMAL_CHECKS[@]}"; do run_check "$python" "$check"; done
+    caller_pythonpath="${PYTHONPATH:-}"
+    # One pass with the carried wheels, or one per megatron-core release where several are carried (0.16 and 0.19).
+    mcore_wheels=("")
+    if [ -n "$wheels" ] && [ "$(compgen -G "$wheels/megatron_core-*.whl" | wc -l)" -gt 1 ]; then
+        mapfile -t mcore_wheels < <(compgen -G "$wheels/megatron_core-*.whl" | sort -V)
+    fi
+    for mcore_wheel in "${mcore_wheels[@]}"; do
+        use_wheels "$python" "$mcore_wheel"
+        describe_environment "$python"
+        require_cuda "$python"
+        for check in "${MINIMAL_CHECKS[@]}"; do run_check "$python" "$check"; done
+    done
 else
     for extra in $extras; do
         checks="$(engine_checks "$extra")"

@@ -110,7 +110,7 @@ def test_command_line_overrides_win_over_the_file(tmp_path):
 
 
 @pytest.mark.parametrize("override, reason", [
-    ("actor_rollout_ref.model.lora_rank=8", "LoRA adapters are not in rlmega"),
+    ("critic.model.lora_rank=8", "LoRA adapters on the actor only"),
     ("reward_model.enable=true", "model-based rewards are not in rlmega"),
     ("actor_rollout_ref.rollout.multi_turn.enable=true", "multi-turn rollouts"),
     ("algorithm.adv_estimator=opo", "OPO"),
@@ -231,11 +231,11 @@ def test_dropout_zero_is_what_rlmega_does(tmp_path):
 
 def test_every_refused_setting_is_reported_at_once(tmp_path):
     overrides = ["+actor_rollout_ref.model.override_config.attention_dropout=0.1", "trainer.device=npu",
-                 "actor_rollout_ref.model.lora_rank=8", "+actor_rollout_ref.rollout.temprature=0.7",
+                 "critic.model.lora_rank=8", "+actor_rollout_ref.rollout.temprature=0.7",
                  "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=4", "actor_rollout_ref.rollout.n=8"]
     translation = translate_verl(write(tmp_path, GRPO_MEGATRON), overrides)
     assert sorted(row.key for row in translation.refused) == sorted([
-        "actor_rollout_ref.model.override_config.attention_dropout", "trainer.device", "actor_rollout_ref.model.lora_rank",
+        "actor_rollout_ref.model.override_config.attention_dropout", "trainer.device", "critic.model.lora_rank",
         "actor_rollout_ref.rollout.temprature", "actor_rollout_ref.ref.megatron.tensor_model_parallel_size"])
     assert all(row.rlmega == "refused" and row.why for row in translation.refused)
     with pytest.raises(VerlTranslationError) as error:
@@ -257,6 +257,29 @@ def test_gspo_averages_per_sequence_and_takes_only_its_parameters(tmp_path):
         "gspo", "seq-mean-token-mean", 3e-4, 4e-4)
     assert loss.clip_ratio_c is None and loss.loss_config() == GSPOLossConfig(
         loss_agg_mode="seq-mean-token-mean", clip_ratio_low=3e-4, clip_ratio_high=4e-4)
+
+
+def test_lora_on_the_actor_crosses_over_with_megatron_names(tmp_path):
+    path = write(tmp_path, GRPO_MEGATRON)
+    config = load(tmp_path, translate_verl_config(path, [
+        "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=32",
+        "actor_rollout_ref.model.target_modules=[q_proj,k_proj,v_proj,o_proj]"]))
+    assert (config.actor.lora.rank, config.actor.lora.alpha) == (8, 32)
+    assert config.actor.lora.target_modules == ["linear_qkv", "linear_proj"]
+    with pytest.raises(VerlTranslationError, match=r"target_modules \['lm_head'\]: rlmega adapts linear_qkv"):
+        translate_verl_config(path, ["actor_rollout_ref.model.lora_rank=8",
+                                     "actor_rollout_ref.model.target_modules=[q_proj,lm_head]"])
+    config = load(tmp_path, translate_verl_config(path, ["actor_rollout_ref.model.lora.rank=4"]))
+    assert config.actor.lora.rank == 4 and config.actor.lora.target_modules == [
+        "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+
+
+def test_fp8_rollout_crosses_over_and_other_quantizations_are_refused(tmp_path):
+    path = write(tmp_path, GRPO_MEGATRON)
+    config = load(tmp_path, translate_verl_config(path, ["actor_rollout_ref.rollout.quantization=fp8"]))
+    assert config.rollout.weight_dtype == "fp8"
+    with pytest.raises(VerlTranslationError, match="rollout.quantization=int8: rlmega's engines serve fp8"):
+        translate_verl_config(path, ["actor_rollout_ref.rollout.quantization=int8"])
 
 
 def test_estimator_names_cross_over(tmp_path):

@@ -186,14 +186,14 @@ def test_the_command_line_shows_the_report_and_refuses_everything_at_once(recipe
     assert "dynamic_sampling_metric: acc" in captured.out and "val_top_p: 0.7" in captured.out
     assert captured.err.startswith("verl settings rlmega takes differently (")
     assert "| `actor_rollout_ref.actor.fsdp_config.param_offload` | `true` | actor.offload=true |" in captured.err
-    assert main(["train", "--from-verl", str(recipe), *DAPO_QWEN25_32B_NPU, "actor_rollout_ref.model.lora_rank=8",
+    assert main(["train", "--from-verl", str(recipe), *DAPO_QWEN25_32B_NPU, "critic.model.lora_rank=8",
                  "--print-config"]) == 2
     lines = capsys.readouterr().err.splitlines()
     assert lines[0] == "verl settings rlmega refuses (2):"
     assert any(line.startswith("| `trainer.device` | `npu` | refused |") for line in lines)
-    assert any(line.startswith("| `actor_rollout_ref.model.lora_rank` | `8` | refused |") for line in lines)
+    assert any(line.startswith("| `critic.model.lora_rank` | `8` | refused |") for line in lines)
     assert lines[-1] == ("rlmega train: 2 verl settings cannot cross over (the table above says why): "
-                         "actor_rollout_ref.model.lora_rank, trainer.device; change or remove them and run again")
+                         "critic.model.lora_rank, trainer.device; change or remove them and run again")
 
 
 def test_the_script_on_32_h100_lands_on_the_recipe_with_the_searched_layout(recipe, capsys, monkeypatch):

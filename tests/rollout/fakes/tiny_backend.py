@@ -13,9 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from rlmega.bridge.fp8 import dequantize_blockwise
+from rlmega.rollout.fp8_weights import is_fp8_checkpoint, load_fp8_checkpoint
 from rlmega.rollout.hf_weights import HFWeightMap
 
 
@@ -31,9 +34,24 @@ class TinyCausalLM:
     """A checkpoint's model with the engines' ``load_weights(iterable of (on-disk name, tensor))``."""
 
     def __init__(self, path: str | Path):
-        self.model = _auto_class(path).from_pretrained(path, dtype=torch.float32,
-                                                       attn_implementation="eager").eval().requires_grad_(False)
+        if is_fp8_checkpoint(path):
+            self.model = load_fp8_checkpoint(path, _auto_class(path), torch.float32,
+                                             attn_implementation="eager").eval().requires_grad_(False)
+        else:
+            self.model = _auto_class(path).from_pretrained(path, dtype=torch.float32,
+                                                           attn_implementation="eager").eval().requires_grad_(False)
         self.weight_map = HFWeightMap(self.model)
+        # A block-FP8 checkpoint's linear layers, as both engines build them: an FP8 weight parameter
+        # (vllm 0.33 quantization/utils/fp8_utils.py:1376 create_fp8_weight_parameter) and fp32 scales
+        # [ceil(out/128), ceil(in/128)] named weight_scale_inv (fp8_utils.py:1396, quantization/fp8.py:339;
+        # sglang 0.5.23 srt/layers/quantization/fp8.py:689). Their loaders copy what they are given into these
+        # (vllm model_executor/parameter.py:95 ``self.data.copy_(loaded_weight)``): a wider tensor is cast to
+        # FP8 as it is, unscaled. The model computes with fp8 x scales.
+        self.fp8_parts: dict[str, list[torch.Tensor]] = {}
+        for file in Path(path).glob("*.safetensors") if is_fp8_checkpoint(path) else ():
+            tensors = load_file(file)
+            self.fp8_parts.update({name: [tensor, tensors[name + "_scale_inv"]] for name, tensor in tensors.items()
+                                   if name + "_scale_inv" in tensors})
         self.loaded: list[str] = []  # every name load_weights received, in order
         # The engines' prefix cache, coarsely: a greedy request whose prompt was seen is answered from the KV of
         # that time (here: its result), whatever the weights are now, until the engine drops the cache.
@@ -42,7 +60,13 @@ class TinyCausalLM:
     @torch.no_grad()
     def load_weights(self, weights) -> None:
         for name, tensor in weights:
-            if name not in self.weight_map.slots and name != "lm_head.weight":
+            weight_name = name.removesuffix("_scale_inv")
+            if weight_name in self.fp8_parts:
+                part = self.fp8_parts[weight_name][int(name != weight_name)]
+                assert part.shape == tensor.shape, f"{name}: {tensor.shape}"  # their weight_loader
+                part.copy_(tensor)
+                name, tensor = weight_name, dequantize_blockwise(*self.fp8_parts[weight_name])
+            elif name not in self.weight_map.slots and name != "lm_head.weight":
                 raise KeyError(name)  # what the engines' loaders raise (params_dict[name])
             target = self.weight_map.resolve(name)
             param = self.weight_map.tensors[target.tensor_name]
