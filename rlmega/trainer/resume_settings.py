@@ -60,6 +60,10 @@ SETTINGS: dict[str, str] = {
     "rollout.val_top_k": FREE, "rollout.val_n": FREE,
     "rollout.restart_dead_engines": FREE, "rollout.restart_window_steps": FREE,
     "agent": FIXED,
+    # The harness makes the trajectories (fixed); where the gateway listens and its limits are how it runs.
+    "gateway": FIXED,
+    "gateway.host": FREE, "gateway.port": FREE, "gateway.token": NOT_COMPARED, "gateway.max_concurrent_sessions": FREE,
+    "gateway.session_timeout_s": FREE,
     "agent.tool_timeout_s": FREE, "agent.tool_memory_mb": FREE, "agent.num_tool_workers": FREE,
     "sync": FREE,
     "algorithm": FIXED,

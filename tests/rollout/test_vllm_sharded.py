@@ -62,6 +62,7 @@ def _sync_on_rank(rank, world_size, layout, hf_dir, other_dir, folder, replicas,
     if through_trainer:  # the training ranks' glue (sync.transport=sharded_rdt) on a bare rank process
         process = RankProcess.__new__(RankProcess)
         process.rank, process.spec, process.weight_sync, process.sliced_setup = rank, spec, None, None
+        process.engine_weight_dtype = "auto"
         process.sync_config, process.post_sync_atol = SyncConfig(transport="sharded_rdt", timeout_s=120), 1e-3
         process.workers = {"actor": types.SimpleNamespace(chunks=chunks)}
         process.connect_engines(engines)  # the transport is chosen here, once
