@@ -17,17 +17,9 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 from rlmega.parallel import mcore_version
+from setup_requirements import setup_requirements
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def setup_requirements() -> tuple[list[str], dict[str, list[str]]]:
-    values = {}
-    for node in ast.parse((ROOT / "setup.py").read_text()).body:
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            if node.targets[0].id in ("INSTALL_REQUIRES", "EXTRAS_REQUIRE"):
-                values[node.targets[0].id] = ast.literal_eval(node.value)
-    return values["INSTALL_REQUIRES"], values["EXTRAS_REQUIRE"]
 
 
 def requirements_on(python: str) -> dict[str, Requirement]:

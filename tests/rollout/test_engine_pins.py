@@ -19,7 +19,6 @@ the wheels.
 
 from __future__ import annotations
 
-import ast
 import importlib.metadata
 import json
 import os
@@ -35,20 +34,10 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from setup_requirements import setup_requirements
+
 from .fakes import api_snapshot
 from .tiny_models import save_tiny_model
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def setup_requirements() -> tuple[list[str], dict[str, list[str]]]:
-    """``INSTALL_REQUIRES`` and ``EXTRAS_REQUIRE``, read from setup.py without running it."""
-    values = {}
-    for node in ast.parse((ROOT / "setup.py").read_text()).body:
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            if node.targets[0].id in ("INSTALL_REQUIRES", "EXTRAS_REQUIRE"):
-                values[node.targets[0].id] = ast.literal_eval(node.value)
-    return values["INSTALL_REQUIRES"], values["EXTRAS_REQUIRE"]
 
 
 def start_resolve(requirements: list[str], directory: Path) -> subprocess.Popen:
