@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import pickle
 import re
 import warnings
 from pathlib import Path
@@ -266,26 +265,17 @@ class MegatronCheckpoint:
         return params
 
     def content_metadata(self) -> dict:
-        """What ``dist_checkpointing.save(..., content_metadata=...)`` recorded in ``common.pt``; {} if none."""
+        """What ``dist_checkpointing.save(..., content_metadata=...)`` recorded (in ``common.pt`` up to
+        Megatron-Core 0.18, inside the checkpoint's files from 0.19); {} if none."""
         from megatron.core.dist_checkpointing import load_content_metadata
-        from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 
         from rlmega.bridge import CheckpointError
-        from rlmega.bridge.torch_dist_files import check_common
+        from rlmega.bridge.torch_dist_files import read_common
 
-        path = self.directory / COMMON_STATE_FNAME
-        if not path.is_file():
-            return {}
         try:
-            check_common(self.directory)  # a torn common.pt would pass as one without a record
+            common = read_common(self.directory)
         except CheckpointError as error:
             raise ConversionError(str(error)) from None
-        try:
-            common = torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError:
-            # Objects that weights_only loading refuses (Megatron-LM pickles its argparse Namespace here):
-            # not a common.pt that hf-to-mcore wrote, so it records nothing read from it.
-            return {}
         return load_content_metadata(preloaded_state_dict=common) or {}
 
     def check_files(self, keys: set[str]) -> None:

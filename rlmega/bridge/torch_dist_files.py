@@ -20,6 +20,7 @@ from rlmega.bridge.hf_checkpoint import CheckpointError
 
 INDEX = ".metadata"
 COMMON = "common.pt"
+COMMON_OBJECT = "common_state/shard_0_1"  # Megatron-Core 0.19's home of the common state: a ShardedObject's key
 BACKEND = "metadata.json"
 
 
@@ -111,6 +112,47 @@ def _archive_damage(stream, offset: int, length: int) -> Optional[str]:
     except (zipfile.BadZipFile, EOFError, OSError, ValueError, NotImplementedError) as error:
         return _reason(error)
     return None if bad is None else f"the CRC-32 of its member {bad} does not match its bytes"
+
+
+def read_common(directory: Path) -> dict:
+    """What every rank shares (Megatron's common state: ``content_metadata`` among it), in either of its homes:
+    ``common.pt`` (Megatron-Core up to 0.18) or the ``common_state`` object inside the checkpoint's own files (0.19
+    writes no ``common.pt``). Read from the files, whichever megatron-core is installed, so a checkpoint of either
+    release converts on both; {} when there is none, or when it holds objects a weights-only load refuses
+    (Megatron-LM pickles its argparse Namespace there: nothing rlmega wrote)."""
+    import pickle
+
+    import torch
+
+    directory = Path(directory)
+    if (directory / COMMON).is_file():
+        check_common(directory)  # a torn common.pt would pass as one without a record
+        source, where = directory / COMMON, f"{directory / COMMON}"
+    else:
+        index = read_index(directory)
+        key = next((key for key in index.storage_data if key.fqn == COMMON_OBJECT), None)
+        if key is None:
+            return {}
+        info = index.storage_data[key]
+        check_files(directory, index, {COMMON_OBJECT})
+        where = f"shard file {directory / info.relative_path}"
+        with open(directory / info.relative_path, "rb") as stream:
+            why = _archive_damage(stream, info.offset, info.length)  # else zeroed bytes would read as "no record"
+            if why:
+                raise CheckpointError(f"{where} is damaged ({why}, in the common state); copy the checkpoint again "
+                                      "from the original")
+            stream.seek(info.offset)
+            source = io.BytesIO(stream.read(info.length))
+    try:
+        common = torch.load(source, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        return {}
+    except Exception as error:  # zip and pickle errors of cut or garbled bytes
+        raise CheckpointError(f"{where} is damaged ({_reason(error)}, in the common state); copy the checkpoint "
+                              "again from the original") from None
+    if isinstance(common, (list, tuple)) and common:  # a ShardedObject's data is saved as a one-element list
+        common = common[0]
+    return common if isinstance(common, dict) else {}
 
 
 def check_common(directory: Path) -> None:

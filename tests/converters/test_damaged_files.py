@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -68,7 +69,8 @@ def test_verify_names_the_damaged_shard(damaged_shard, sharded):
 
 @pytest.fixture(scope="module")
 def tied_checkpoint(hf_models, tmp_path_factory):
-    """A torch_dist checkpoint of the tied Qwen2 (mcore-to-hf reads its common.pt for the tied head's record)."""
+    """A torch_dist checkpoint of the tied Qwen2 (mcore-to-hf reads its common state for the tied
+    head's record)."""
     root = tmp_path_factory.mktemp("torch-dist") / "checkpoint"
     assert main(["convert", "hf-to-mcore", str(hf_models["qwen2-tied"]), str(root), "--iteration", "1", "--quiet"]) == 0
     return root
@@ -82,9 +84,26 @@ def _cut(path):
     path.write_bytes(path.read_bytes()[:100])
 
 
+def _common_state(path):
+    """The state every rank shares, damaged where it lives: ``common.pt`` up to Megatron-Core 0.18, else (0.19) the
+    ``common_state`` object's chunk inside a ``.distcp`` file, zeroed at its place. Returns the damaged file."""
+    if path.is_file():
+        _cut(path)
+        return path
+    from rlmega.bridge.torch_dist_files import COMMON_OBJECT, read_index
+
+    index = read_index(path.parent)
+    info = next(info for key, info in index.storage_data.items() if key.fqn == COMMON_OBJECT)
+    shard = path.parent / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset:info.offset + info.length] = bytes(info.length)
+    shard.write_bytes(bytes(data))
+    return shard
+
+
 @pytest.mark.parametrize("name, damage", [
     (".metadata", _cut),
-    ("common.pt", _cut),
+    ("common.pt", _common_state),
     ("metadata.json", lambda path: path.write_text("{not json")),
     ("__0_0.distcp", _zeros),  # the right size, garbled
 ])
@@ -92,7 +111,8 @@ def test_mcore_to_hf_names_the_torn_file(tied_checkpoint, hf_models, tmp_path, c
     root = tmp_path / "checkpoint"
     shutil.copytree(tied_checkpoint, root)
     torn = root / "iter_0000001" / name
-    damage(torn)
+    damaged = damage(torn)
+    torn = damaged if isinstance(damaged, Path) else torn
     capsys.readouterr()
     code = main(["convert", "mcore-to-hf", str(root), str(tmp_path / "hf"), "--hf-base", str(hf_models["qwen2-tied"]),
                  "--quiet"])
