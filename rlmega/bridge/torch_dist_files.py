@@ -2,7 +2,7 @@
 
 A directory holds ``.metadata`` (the pickled index: which byte range of which ``.distcp`` file holds each stored
 chunk), the ``.distcp`` files (each chunk a ``torch.save`` zip archive at its offset), ``common.pt`` (what every rank
-shares) and ``metadata.json`` (the backend). Before a load, ``check_files`` makes sure that every file the index
+shares; from Megatron-Core 0.19 a ``common_state`` chunk of the ``.distcp`` files instead) and ``metadata.json`` (the backend). Before a load, ``check_files`` makes sure that every file the index
 names exists and is as long as the index says (a stat per file). After a load failed, ``find_damage`` reads every
 file whole and checks each archive's CRC-32s, to name the file whose bytes are wrong: a full read, so only then.
 """
