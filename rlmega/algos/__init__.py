@@ -1,4 +1,5 @@
-"""RL algorithm core of rlmega: advantage estimators, policy losses, KL, loss aggregation, DAPO pieces.
+"""RL algorithm core of rlmega: advantage estimators, policy losses, KL, on-policy distillation, loss aggregation,
+DAPO pieces.
 
 Pure torch functions with no dependency on the rest of rlmega. Conventions (shapes, log-prob
 names, signs, the micro-batch/DP aggregation contract, defaults) are in ``README.md`` next to
@@ -25,6 +26,15 @@ from rlmega.algos.dapo import (
     dynamic_sampling_filter,
     overlong_filter_mask,
     overlong_reward_penalty,
+)
+from rlmega.algos.distill import (
+    DISTILL_ESTIMATORS,
+    DistillConfig,
+    apply_distill_advantage,
+    distill_token_kl,
+    teacher_kl_metrics,
+    top_k_distill_loss,
+    top_k_reverse_kl,
 )
 from rlmega.algos.kl import (
     KL_ESTIMATORS,
@@ -90,6 +100,7 @@ from rlmega.algos.registry import (
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "DISTILL_ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
@@ -111,10 +122,12 @@ __all__ = [
     "RolloutCorrection",
     "RolloutCorrectionConfig",
     "AdaptiveKLController",
+    "DistillConfig",
     "DynamicSamplingResult",
     "FixedKLController",
     "LossDenominators",
     "aggregate_loss",
+    "apply_distill_advantage",
     "apply_kl_penalty",
     "cispo_policy_loss",
     "clip_cov_policy_loss",
@@ -132,6 +145,7 @@ __all__ = [
     "compute_rloo_outcome_advantages",
     "correct_against_current_policy",
     "count_loss_denominators",
+    "distill_token_kl",
     "dual_clip_policy_loss",
     "dynamic_sampling_filter",
     "entropy_bonus",
@@ -161,4 +175,7 @@ __all__ = [
     "rollout_mismatch_metrics",
     "reinforce_policy_loss",
     "sapo_policy_loss",
+    "teacher_kl_metrics",
+    "top_k_distill_loss",
+    "top_k_reverse_kl",
 ]

@@ -34,6 +34,7 @@ from rlmega.config.engine_layout import layout_problems
 from rlmega.config.engine_sampling import sampling_problems, sampling_warnings
 from rlmega.config.explain import explain, extra_keys, no_such_field
 from rlmega.config.schema import RLConfig
+from rlmega.config.teacher_checks import check_teacher_inputs, teacher_problems
 from rlmega.errors import UserError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -138,8 +139,11 @@ def check_settings(config: RLConfig) -> None:
         config.actor.policy_loss.loss_config()
     except ValueError as error:
         raise ConfigError(f"actor.{error}") from error
+    for field, problem in config.algorithm.distill.problems(config.teacher.enable, config.teacher.top_k):
+        raise ConfigError(f"algorithm.distill.{field}: {problem}")
     for key, problem in config.sync.problems(config.rollout.backend, bool(config.rollout.restart_dead_engines),
-                                             config.rollout.gpus_of_one_engine):
+                                             config.rollout.gpus_of_one_engine, config.actor.lora.rank,
+                                             config.rollout.weight_dtype, config.actor.lora.target_modules):
         raise ConfigError(f"{key}: {problem}")
     _require(config.rollout.num_engines >= 1, "rollout.num_engines", "must be >= 1")
     if config.gateway.enabled:
@@ -211,6 +215,8 @@ def check_settings(config: RLConfig) -> None:
     if config.reward.user_function is not None:
         check_function_defined(config.reward.user_function)
     _check_reward_weights(config)
+    for field, problem in teacher_problems(config):
+        raise ConfigError(f"{field}: {problem}")
 
 
 def check_inputs(config: RLConfig):
@@ -238,14 +244,48 @@ def check_inputs(config: RLConfig):
         spec.check_layout(config.layout.build())
     except LayoutError as error:
         raise ConfigError(f"layout: {error}") from error
+    _check_fp8_slices(config, model_dir)
     try:  # every safetensors file's header: a missing or damaged shard is named before anything starts
         HFCheckpoint(model_dir)
     except (CheckpointError, FileNotFoundError) as error:
         raise ConfigError(f"model.path: {error}") from None
     _check_router_replay(config, spec)
+    _check_lora_experts(config, spec)
     _check_reward_model(config)
     _check_judge(config)
+    check_teacher_inputs(config, ConfigError)
     return _check_data(config)
+
+
+def _check_lora_experts(config: RLConfig, spec) -> None:
+    """Expert adapters need experts, and dropout on ``experts.linear_fc1`` needs whole expert inputs (``etp=1``)."""
+    from rlmega.models.lora import EXPERT_MODULES
+
+    lora = config.actor.lora
+    experts = sorted(set(lora.target_modules) & set(EXPERT_MODULES))
+    if not lora.enabled or not experts:
+        return
+    _require(bool(spec.num_experts), "actor.lora.target_modules",
+             f"{', '.join(experts)} adapt a MoE model's experts; this model has none: drop them")
+    _require(not lora.dropout or "experts.linear_fc1" not in experts or config.layout.build().expert_tp == 1,
+             "actor.lora.dropout", "dropout on experts.linear_fc1 needs layout.etp=1 (expert-TP ranks must drop the "
+             "same elements of an expert's input); set layout.etp=1 or actor.lora.dropout=0")
+
+
+def _check_fp8_slices(config: RLConfig, model_dir: Path) -> None:
+    """An FP8 engine's TP slices hold whole 128 x 128 blocks (``rlmega.rollout.fp8_slices``); the hf engine is not
+    split."""
+    import json
+
+    from rlmega.rollout.fp8_slices import fp8_tp_problem
+
+    rollout = config.rollout
+    if rollout.weight_dtype != "fp8" or rollout.backend == "hf":
+        return
+    hf_config = json.loads((model_dir / "config.json").read_text())
+    problem = fp8_tp_problem(hf_config.get("text_config", hf_config), rollout.tensor_parallel_size,
+                             expert_parallel=rollout.expert_parallel_size > 1)
+    _require(problem is None, "rollout.tensor_parallel_size", problem)
 
 
 def _check_router_replay(config: RLConfig, spec) -> None:
@@ -398,7 +438,7 @@ def _check_devices(config: RLConfig) -> None:
     if config.cluster.ray_address or os.environ.get("RAY_ADDRESS"):
         return
     for field in ("rollout.gpus_per_engine", "cluster.gpus_per_rank", "reward_model.gpus_per_rank",
-                  "judge.gpus_per_engine"):
+                  "judge.gpus_per_engine", "teacher.gpus_per_rank"):
         value = _get(config, field)
         if value > 0:
             import torch

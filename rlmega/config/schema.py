@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from rlmega.agent.config import AgentConfig
 from rlmega.gateway.config import GatewayConfig
+from rlmega.algos.distill import DistillConfig
 from rlmega.algos.rollout_correction import RolloutCorrectionConfig
 from rlmega.data import DataConfig
 from rlmega.parallel.layout import LayoutConfig
@@ -210,6 +211,52 @@ class RewardModelConfig:
 
 
 @dataclasses.dataclass
+class TeacherModelConfig:
+    """One frozen teacher model on Megatron ranks of its own: its checkpoint, layout and resources."""
+
+    path: Optional[str] = None
+    """The teacher's HF checkpoint directory (a causal LM with the student's vocabulary)."""
+    tokenizer_path: Optional[str] = None
+    """The teacher's tokenizer, checked to equal the student's; None: ``path``'s."""
+    layout: LayoutConfig = dataclasses.field(default_factory=LayoutConfig)
+    """The teacher's own parallel layout and world size (``layout.world_size`` ranks of its own; a larger
+    model than the student's takes a larger tp or pp)."""
+    cpus_per_rank: float = 1.0
+    gpus_per_rank: float = 0.0
+    """A fraction shares the GPUs of the actor's ranks (colocated); 1 gives each rank a GPU of its own."""
+    offload: bool = False
+    """Keep the weights in host memory between calls (they come onto the device for each pass)."""
+    dtype: Optional[str] = None
+    """bf16 | fp32; None: bf16 with CUDA, fp32 on CPU."""
+    max_tokens_per_microbatch: int = 8192
+    """Token budget of one forward micro-batch on one rank."""
+
+    def worker_config(self) -> WorkerConfig:
+        """The Megatron worker of every rank of this teacher."""
+        return WorkerConfig(role="teacher", dtype=self.dtype, offload=self.offload,
+                            batching=BatchingConfig(max_tokens_per_microbatch=self.max_tokens_per_microbatch))
+
+
+@dataclasses.dataclass
+class TeacherConfig(TeacherModelConfig):
+    """On-policy distillation's frozen teacher (``algorithm.distill``): it scores the student's own response
+    tokens, log-probs of the sampled tokens and, with ``top_k``, its most likely tokens at each position. Its
+    tokenizer must be the student's. See rlmega/trainer/README.md (On-policy distillation: the teacher)."""
+
+    enable: bool = False
+    top_k: int = 0
+    """0: the teacher gives the log-probs of the sampled tokens only; k > 0: also the ids and log-probs of its k
+    most likely tokens at every response position."""
+    per_data_source: dict[str, TeacherModelConfig] = dataclasses.field(default_factory=dict)
+    """Several teachers: examples whose ``data_source`` has an entry here are scored by that teacher (ranks of its
+    own), the others by the main one above (multi-teacher distillation, as NeMo-RL's MOPD)."""
+
+    def models(self) -> dict[Optional[str], TeacherModelConfig]:
+        """Every teacher to start: None for the main one, then one per data source."""
+        return {None: self, **self.per_data_source}
+
+
+@dataclasses.dataclass
 class JudgeConfig:
     """A generative judge: rollout engines of their own serving ``path``, asked with ``prompt_template``
     to grade each response; ``parser`` turns the answer into the reward manager's ``judge`` score
@@ -293,6 +340,9 @@ class AlgorithmConfig:
     """DAPO overlong filtering: responses that hit the length limit do not count in the loss."""
     rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
     """Train-inference mismatch: importance weights and rejection from the engine's log-probs."""
+    distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
+    """On-policy distillation: the student's per-token reverse KL to the teacher (``teacher``), in the advantages
+    or as a loss term; off by default (``coef: 0``)."""
 
 
 @dataclasses.dataclass
@@ -388,6 +438,8 @@ class RLConfig:
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     reward_model: RewardModelConfig = dataclasses.field(default_factory=RewardModelConfig)
     judge: JudgeConfig = dataclasses.field(default_factory=JudgeConfig)
+    teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
+    """On-policy distillation's teacher model(s), on ranks of their own; off by default."""
     layout: LayoutConfig = dataclasses.field(default_factory=LayoutConfig)
     actor: WorkerConfig = dataclasses.field(default_factory=lambda: WorkerConfig(role="actor"))
     ref: WorkerConfig = dataclasses.field(default_factory=lambda: WorkerConfig(role="ref", offload=True))
@@ -417,6 +469,9 @@ class RLConfig:
     tiny_reward_model: bool = False
     """With ``tiny_assets``: also fit the quickstart's tiny reward model to the rule reward of the training
     prompts, into run_dir/assets/reward_model, if missing (``configs/tiny_cpu_rm.yaml``)."""
+    tiny_teacher: bool = False
+    """With ``tiny_assets``: also train the quickstart's tiny teacher (4 layers, the tiny policy's width and
+    tokenizer) on the training prompts' answers, into ``teacher.path`` (``${run_dir}/assets/teacher``), if missing."""
 
     def post_sync_atol(self) -> float:
         """The post-sync check's tolerance: ``sync.post_sync_atol``, or the one of the run's precision."""
@@ -462,6 +517,8 @@ class RLConfig:
             obstacles.append("reward_model.enable (the reward model has ranks of its own)")
         if self.judge.enable:
             obstacles.append("judge.enable (the judge has engines of its own)")
+        if self.teacher.enable:
+            obstacles.append("teacher.enable (the teacher has ranks of its own)")
         if self.cluster.ray_address or os.environ.get("RAY_ADDRESS"):
             obstacles.append("a Ray cluster to join (cluster.ray_address or RAY_ADDRESS)")
         return obstacles

@@ -283,7 +283,7 @@ def _megatron_lora(model: str, target: Optional[str] = None) -> dict[str, Settin
         f"{model}.lora.alpha": mapped(f"{target}.lora.alpha", default=32, rule=on(_same_value)),
         f"{model}.lora.target_modules": mapped(f"{target}.lora.target_modules", default=None, rule=on(_lora_modules),
                                                note="HF names (q_proj, ...) become Megatron's (linear_qkv, ...)"),
-        f"{model}.lora.dropout": refused("rlmega's adapters have no dropout", 0.0, accept=lambda value, verl: not value),
+        f"{model}.lora.dropout": mapped(f"{target}.lora.dropout", default=0.0, rule=on(_same_value)),
         f"{model}.lora.*": needless("the adapters' other settings: rlmega's are the plain low-rank pair"),
     }
 

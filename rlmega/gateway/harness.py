@@ -14,6 +14,9 @@ A session whose harness raised or ran past ``session_timeout_s`` is lost: its tr
 stop token, nothing to train on, and ``gateway/lost_sessions`` counts it; so is a session with no call. Segments
 after a session's first (a harness that rewrote its history) are counted (``gateway/extra_segments``), not trained
 on.
+
+``demonstrate`` makes the supervised warm-start's trajectories (``gateway.demonstration``) the same way, with an
+engine that answers with the demonstrated turns (``rlmega.gateway.demonstration``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from typing import Any, Optional, Sequence
 from rlmega.agent.functions import load_callable
 from rlmega.agent.loop import Trajectory
 from rlmega.agent.parsers import load_parser
+from rlmega.errors import UserError
 from rlmega.gateway.config import GatewayConfig
+from rlmega.gateway.demonstration import DemonstrationEngine
 from rlmega.gateway.server import Gateway
 from rlmega.gateway.sessions import SessionStore
 from rlmega.rollout.protocol import Generation, SamplingParams
@@ -98,7 +103,8 @@ def gateway_metrics(trajectories: Sequence[SessionTrajectory]) -> dict[str, floa
 
 
 class HarnessLoop:
-    """``run(generator, records, params)`` like ``AgentLoop.run``: ``params.n`` trajectories per record."""
+    """``run(generator, records, params)`` like ``AgentLoop.run``: ``params.n`` trajectories per record;
+    ``demonstrate(records, turns)`` like ``AgentLoop.demonstrate``."""
 
     def __init__(self, config: GatewayConfig, tokenizer: Any, *, stop_token_ids: Sequence[int]):
         self.config, self.tokenizer = config, tokenizer
@@ -114,6 +120,33 @@ class HarnessLoop:
         return dataclasses.replace(run, n=1, max_new_tokens=min(asked.max_new_tokens, run.max_new_tokens))
 
     def run(self, generator, records: Sequence, params: SamplingParams) -> list[Trajectory]:
+        sessions, futures = self._play(generator, records, params)
+        return [self._trajectory(index, session_id, record, future)
+                for index, ((session_id, record, _), future) in enumerate(zip(sessions, futures))]
+
+    def demonstrate(self, records: Sequence, turns: Sequence[Sequence[str]]) -> list[Trajectory]:
+        """One trajectory per record, made by the harness through the gateway with an engine that answers with the
+        given turn texts instead of sampling (``DemonstrationEngine``): a supervised warm-start's demonstrations,
+        in exactly the format of the run's trajectories. UserError when the harness fails on one."""
+        engine = DemonstrationEngine(self.tokenizer, self.stop_token_ids)
+        for record, texts in zip(records, turns):
+            engine.add(record.prompt_token_ids, texts)
+        # The engine writes the turns whatever the token budget; the harness's own max_tokens stays as asked.
+        params = SamplingParams(max_new_tokens=1 << 16, stop_token_ids=self.stop_token_ids, n=1)
+        sessions, futures = self._play(engine, records, params)
+        trajectories = [self._trajectory(index, session_id, record, future)
+                        for index, ((session_id, record, _), future) in enumerate(zip(sessions, futures))]
+        for (_, record, _), future in zip(sessions, futures):
+            error = future.exception() if future.done() and not future.cancelled() else \
+                f"it ran past gateway.session_timeout_s ({self.config.session_timeout_s:g} s)"
+            if error is not None:
+                raise UserError(f"gateway.demonstration: the harness failed on the demonstration of row "
+                                f"{record.index}: {error}")
+        return trajectories
+
+    def _play(self, generator, records: Sequence, params: SamplingParams) -> tuple[list, list[Future]]:
+        """The harness on ``params.n`` sessions per record, against ``generator``; the sessions and the harness
+        calls' futures, once all are done or ``session_timeout_s`` has passed."""
         self._batcher.generator, self._params = generator, params
         if self.gateway is None:
             config = self.config
@@ -131,12 +164,11 @@ class HarnessLoop:
                    for session_id, record, sample in sessions]
         wait(futures, timeout=self.config.session_timeout_s)
         pool.shutdown(wait=False, cancel_futures=True)
-        return [self._trajectory(index, session_id, record, future)
-                for index, ((session_id, record, _), future) in enumerate(zip(sessions, futures))]
+        return sessions, futures
 
     def _trajectory(self, index: int, session_id: str, record, future: Future) -> SessionTrajectory:
         session = self.store.pop(session_id)
-        failed = not future.done() or future.exception() is not None
+        failed = not future.done() or future.cancelled() or future.exception() is not None
         prompt_index = index // self._params.n
         if failed or session is None or not session.segments:
             # Nothing to train on: the prompt and one masked stop token (a response is never empty).
@@ -146,10 +178,12 @@ class HarnessLoop:
         reward = session.reward if session.reward is not None else future.result()
         last_policy = max((i for i, kept in enumerate(segment.response_mask) if kept), default=-1)
         ended = last_policy >= 0 and segment.response_ids[last_policy] in self.stop_token_ids
+        # Text in every message, as in the agent loop's (a reply with tool calls only has content None here).
+        messages = [{**message, "content": message.get("content") or ""} for message in segment.messages or []]
         return SessionTrajectory(prompt_index, list(segment.response_ids), list(segment.rollout_logprobs),
                                  "stop" if ended else "length", min(segment.weight_versions),
                                  prompt_token_ids=list(segment.prompt_ids), loss_mask=list(segment.response_mask),
-                                 messages=list(segment.messages or []), num_turns=len(segment.weight_versions),
+                                 messages=messages, num_turns=len(segment.weight_versions),
                                  env_reward=float(reward or 0.0), extra_segments=len(session.segments) - 1)
 
     def close(self) -> None:

@@ -1,8 +1,10 @@
 """Low-rank adapters (LoRA) on a Megatron model's linear layers, sharded with their base layer.
 
-An adapted layer computes ``W x + scale * B (A x)`` with ``A [r, in]``, ``B [out, r]`` and ``scale = alpha / r``; the
-base weight ``W`` is frozen, ``B`` starts at zero (the adapted model starts as the base model), ``A`` at small random
-values. Tensor parallelism splits the adapter as it splits the base layer:
+An adapted layer computes ``W x + scale * B (A dropout(x))`` with ``A [r, in]``, ``B [out, r]`` and
+``scale = alpha / r``; the base weight ``W`` is frozen, ``B`` starts at zero (the adapted model starts as the base
+model), ``A`` at small random values. Dropout (PEFT's ``lora_dropout``) acts in training passes only: passes without
+gradients (log-probs) and the merged weight ``W + scale * B @ A`` never drop. Tensor parallelism splits the adapter
+as it splits the base layer:
 
 - column parallel (``linear_qkv``, ``linear_fc1``; output rows split): ``B`` is split on its rows like ``W``, ``A`` is
   whole on every TP rank. The rank-r activation ``A x`` is whole everywhere; its gradient is summed over the TP ranks
@@ -15,11 +17,20 @@ gradient, partial per rank, is summed by Megatron's own all-reduce of sequence-p
 adapter keeps its rank's share of the sequence. The merged weight of a TP shard is ``W_shard + scale * B_s @ A_s``
 with both factors local, so merging needs no communication (``effective_weight``).
 
-Adapters hook Megatron's own ``ColumnParallelLinear`` / ``RowParallelLinear`` (the local spec). The
-transformer-engine spec fuses the input norm into ``linear_qkv`` and ``linear_fc1``
-(``TELayerNormColumnParallelLinear``), whose input is the un-normalised hidden state: an adapter there needs the
-layer's normalised output (transformer-engine's ``return_layernorm_output``), not built yet, so ``attach`` refuses
-those layers by name. Experts (``mlp.experts``) and MTP layers are not adapted.
+Experts (``experts.linear_fc1`` / ``experts.linear_fc2`` in ``target_modules``; the plain names are the dense MLP
+and attention): each of Megatron's ``SequentialMLP`` experts gets its own pair, held by the expert-parallel rank that
+holds the expert and split over expert-TP ranks like the expert's weights. The token dispatcher hands every expert-TP
+rank the same tokens and sums their outputs, so an expert's adapter exchanges no activations: each rank adds its
+partial product, and the gradient of the factor that is whole on every expert-TP rank (partial per rank) is summed
+over them in the backward pass. Expert adapters are marked as Megatron marks expert weights (``allreduce = False``),
+so their gradients are reduced over the expert-data-parallel group. Grouped-GEMM experts (``GroupedMLP``,
+``TEGroupedMLP``) are refused by name; rlmega builds ``SequentialMLP`` (``moe_grouped_gemm=False``).
+
+Adapters hook Megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` (the local spec) and the
+transformer-engine spec's ``TEColumnParallelLinear`` / ``TERowParallelLinear``. ``TELayerNormColumnParallelLinear``
+fuses the input norm into ``linear_qkv`` and ``linear_fc1``, so its input is the un-normalised hidden state: the
+adapter asks the layer to also return its normalised input (transformer-engine's ``return_layernorm_output``, not
+gathered: TE drops the gradient of a gathered one) and applies ``A`` to that. MTP layers are not adapted.
 """
 
 from __future__ import annotations
@@ -29,11 +40,19 @@ import dataclasses
 import math
 import re
 import zlib
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
 LINEAR_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+EXPERT_MODULES = ("experts.linear_fc1", "experts.linear_fc2")
+TARGET_MODULES = LINEAR_MODULES + EXPERT_MODULES
+
+# The linear layers adapted, by class name (transformer-engine's classes are known by name: TE is GPU-only).
+_COLUMN_PARALLEL = ("ColumnParallelLinear", "TEColumnParallelLinear", "TELayerNormColumnParallelLinear")
+_ROW_PARALLEL = ("RowParallelLinear", "TERowParallelLinear")
+_NORM_FUSED = "TELayerNormColumnParallelLinear"
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 
 
 @dataclasses.dataclass
@@ -42,9 +61,13 @@ class LoraConfig:
     """Rank r of the adapters; 0: no adapters (full fine-tuning)."""
     alpha: float = 16.0
     """The adapters' output is scaled by ``alpha / rank``."""
+    dropout: float = 0.0
+    """Probability of dropping each element of an adapter's input in training passes (PEFT's ``lora_dropout``);
+    log-prob passes and the merged weights never drop."""
     target_modules: list[str] = dataclasses.field(default_factory=lambda: list(LINEAR_MODULES))
     """Megatron's linear layers to adapt in every decoder layer: linear_qkv (q, k, v), linear_proj (o),
-    linear_fc1 (gate and up), linear_fc2 (down). Experts are not adapted."""
+    linear_fc1 (gate and up), linear_fc2 (down) of attention and the dense MLP (and shared experts);
+    experts.linear_fc1, experts.linear_fc2: every routed expert's."""
 
     def check(self, section: str) -> None:
         """Raise ValueError naming the first bad field under ``section`` (e.g. ``actor.lora``)."""
@@ -52,10 +75,13 @@ class LoraConfig:
             raise ValueError(f"{section}.rank must be >= 0 (0 turns LoRA off), got {self.rank}")
         if self.rank and self.alpha <= 0:
             raise ValueError(f"{section}.alpha must be positive, got {self.alpha}")
-        unknown = sorted(set(self.target_modules) - set(LINEAR_MODULES))
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"{section}.dropout must be in [0, 1) (0: no dropout), got {self.dropout}")
+        unknown = sorted(set(self.target_modules) - set(TARGET_MODULES))
         if unknown or not self.target_modules:
-            raise ValueError(f"{section}.target_modules must be a non-empty list of {', '.join(LINEAR_MODULES)} "
-                             f"(Megatron's names: q/k/v, o, gate/up, down); got {list(self.target_modules)}")
+            raise ValueError(f"{section}.target_modules must be a non-empty list of {', '.join(TARGET_MODULES)} "
+                             f"(Megatron's names: q/k/v, o, gate/up, down; experts.*: the routed experts'); "
+                             f"got {list(self.target_modules)}")
 
     @property
     def enabled(self) -> bool:
@@ -66,29 +92,54 @@ class LoraConfig:
         return self.alpha / self.rank
 
 
+class _GradientSummed(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over ``group``."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 class Adapter(torch.nn.Module):
     """The low-rank pair of one linear layer, held as its ``adapter`` child; ``lora_a [r, in]`` and ``lora_b [out, r]``
-    are this TP rank's shards (see the module docstring)."""
+    are this TP (expert-TP for an expert) rank's shards (see the module docstring)."""
 
-    def __init__(self, base: torch.nn.Module, config: LoraConfig, seed: int):
+    def __init__(self, base: torch.nn.Module, config: LoraConfig, seed: int, *, expert: bool = False):
         super().__init__()
         weight = base.weight
         self.row_parallel = _is_row_parallel(base)
         self.scale = config.scale
+        self.dropout = config.dropout
         self.enabled = True
-        self.tp_group = base.tp_group
-        self.sequence_parallel = bool(getattr(base, "sequence_parallel", False))
+        megatron_group = getattr(base, "_tp_group", None)  # where Megatron's wrappers of TE layers keep it
+        self.tp_group = base.tp_group if megatron_group is None else megatron_group
+        self.expert = expert
+        expert_parallel = not getattr(weight, "allreduce", True)
+        # Megatron's own test for an expert layer that leaves its communication to the token dispatcher.
+        self.explicit_expert_comm = expert and (self.tp_group.size() > 1 or expert_parallel)
+        self.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and not self.explicit_expert_comm
+        if expert and self.dropout and not self.row_parallel and self.tp_group.size() > 1:
+            raise ValueError("lora.dropout on experts.linear_fc1 needs etp=1: expert-TP ranks draw their dropout "
+                             "from different seeds but must drop the same elements of the expert's input")
         out_features, in_features = weight.shape  # this rank's shard of the base weight
         kwargs = dict(dtype=weight.dtype, device=weight.device)
         self.lora_a = torch.nn.Parameter(torch.empty(config.rank, in_features, **kwargs))
         self.lora_b = torch.nn.Parameter(torch.zeros(out_features, config.rank, **kwargs))
         self.reset_a(seed)
         split, whole = (self.lora_a, self.lora_b) if self.row_parallel else (self.lora_b, self.lora_a)
-        # The attributes Megatron reads: how a parameter is TP-split, and that it is reduced over data parallelism.
+        # The attributes Megatron reads: how a parameter is TP-split, and over which data-parallel group it is
+        # reduced (the expert-data-parallel one for experts' parameters, marked allreduce = False).
         split.tensor_model_parallel, split.partition_dim, split.partition_stride = True, int(self.row_parallel), 1
         whole.tensor_model_parallel = False
         for param in (self.lora_a, self.lora_b):
-            param.allreduce = True
+            param.allreduce = not expert_parallel
             param.is_lora_adapter = True
         # A column-parallel A under sequence parallelism: each rank's gradient covers its B rows; Megatron sums the
         # gradients of parameters marked so over the TP ranks (as for the replicated norms).
@@ -108,9 +159,13 @@ class Adapter(torch.nn.Module):
         self.lora_a.copy_(whole)
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
-        """``scale * B A x`` for the base layer's input ``x [s, b, in]``, laid out like the base layer's output."""
+        """``scale * B A dropout(x)`` for the base layer's input ``x [s, b, in]`` (an expert's ``[tokens, in]``),
+        laid out like the base layer's output."""
         from megatron.core.tensor_parallel import mappings
 
+        x = self._dropped(x)
+        if self.explicit_expert_comm:
+            return self._expert_delta(x)
         if self.row_parallel:
             low = mappings.reduce_from_tensor_model_parallel_region(x @ self.lora_a.t(), group=self.tp_group)
             out = low @ self.lora_b.t()
@@ -124,6 +179,33 @@ class Adapter(torch.nn.Module):
             low = mappings.copy_to_tensor_model_parallel_region(x @ self.lora_a.t(), group=self.tp_group)
         return (low @ self.lora_b.t()) * self.scale
 
+    def _expert_delta(self, x: torch.Tensor) -> torch.Tensor:
+        """An expert's share of ``scale * B A x`` on this expert-TP rank; the dispatcher sums the shares."""
+        if self.row_parallel:
+            return (x @ self.lora_a.t()) @ self._summed(self.lora_b).t() * self.scale
+        return (x @ self._summed(self.lora_a).t()) @ self.lora_b.t() * self.scale
+
+    def _summed(self, whole: torch.Tensor) -> torch.Tensor:
+        return whole if self.tp_group.size() == 1 else _GradientSummed.apply(whole, self.tp_group)
+
+    def _dropped(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` with dropout in a training pass (gradients on), drawn from Megatron's random states so activation
+        recomputation redraws the same elements: the default state where ``x`` is the same on every TP rank (as
+        Megatron's hidden dropout), the tensor-parallel state where each rank holds its own part of it (as
+        attention dropout), the expert-parallel state for experts."""
+        if not (self.dropout and self.training and torch.is_grad_enabled()):
+            return x
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+
+        if self.expert:
+            state = get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name())
+        elif self.row_parallel or self.sequence_parallel:
+            state = get_cuda_rng_tracker().fork()
+        else:
+            state = contextlib.nullcontext()
+        with state:
+            return torch.nn.functional.dropout(x, self.dropout, training=True)
+
     def effective_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """The weight this rank computes with: ``weight`` itself when the adapter is off (so writes to it load the
         base), else a new tensor ``weight + scale * B @ A`` of this TP shard (both factors are local)."""
@@ -134,15 +216,18 @@ class Adapter(torch.nn.Module):
             return (weight.detach().float() + delta).to(weight.dtype)
 
 
-def _is_row_parallel(module: torch.nn.Module) -> bool:
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+def _class_names(module: torch.nn.Module) -> set[str]:
+    return {cls.__name__ for cls in type(module).__mro__}
 
-    if isinstance(module, RowParallelLinear):
+
+def _is_row_parallel(module: torch.nn.Module) -> bool:
+    names = _class_names(module)
+    if names & set(_ROW_PARALLEL):
         return True
-    if isinstance(module, ColumnParallelLinear):
+    if names & set(_COLUMN_PARALLEL):
         return False
-    raise ValueError(f"LoRA adapts Megatron's ColumnParallelLinear and RowParallelLinear (the local layer spec); "
-                     f"this model's layer is a {type(module).__name__} (transformer-engine spec), not supported yet")
+    raise ValueError(f"LoRA adapts Megatron's {', '.join(_COLUMN_PARALLEL + _ROW_PARALLEL)}; this model's layer is "
+                     f"a {type(module).__name__}, not supported")
 
 
 def _add_delta(module, args, output):
@@ -153,10 +238,32 @@ def _add_delta(module, args, output):
     return result + adapter.delta(args[0]).to(result.dtype), bias
 
 
+def _norm_fused_forward(module: torch.nn.Module):
+    """``forward`` of a ``TELayerNormColumnParallelLinear`` whose adapter reads the normalised input: the layer
+    returns it too (``(out, bias, normed)`` with ``te_return_bias``, else Megatron's wrapper returns
+    ``((out, normed), None)``), and the result is ``(out + delta(normed), bias)`` as before."""
+    forward = module.forward
+    module.return_layernorm_output = True
+    module.return_layernorm_output_gathered = False
+
+    def adapted_forward(x):
+        output = forward(x)
+        if module.te_return_bias:
+            out, bias, normed = output
+        else:
+            (out, normed), bias = output
+        if module.adapter.enabled:
+            out = out + module.adapter.delta(normed).to(out.dtype)
+        return out, bias
+
+    return adapted_forward
+
+
 def _sharded_state_dict(module, base_method, gated: bool):
     """The layer's ``sharded_state_dict`` with its adapter sharded as the adapter is: Megatron's linear layers
     describe every other tensor of theirs as whole on each TP rank. ``gated``: a SwiGLU ``linear_fc1``, whose B rows
-    are [gate; up] per TP shard like its weight's, resharded as Megatron's MLP reshards that weight."""
+    are [gate; up] per TP shard like its weight's, resharded as Megatron's MLP reshards that weight. An expert's
+    offsets carry its global index and ``SequentialMLP`` sets the replica ids, as for its weights."""
 
     def sharded_state_dict(prefix="", sharded_offsets=(), metadata=None):
         from megatron.core import parallel_state
@@ -180,20 +287,46 @@ def _sharded_state_dict(module, base_method, gated: bool):
     return sharded_state_dict
 
 
+def _target_of(name: str) -> Optional[str]:
+    """The ``target_modules`` name of the module ``name`` of a GPT model, if it is an adaptable linear layer."""
+    if not name.startswith("decoder.layers."):  # MTP layers, embedding, output layer
+        return None
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf not in LINEAR_MODULES:
+        return None
+    if ".mlp.experts." not in name:
+        return leaf
+    return f"experts.{leaf}" if ".mlp.experts.local_experts." in name else None
+
+
+def _check_experts(model: torch.nn.Module, config: LoraConfig) -> None:
+    if not set(config.target_modules) & set(EXPERT_MODULES):
+        return
+    for name, module in model.named_modules():
+        if name.endswith(".mlp.experts") and type(module).__name__ != "SequentialMLP":
+            raise ValueError(f"LoRA on experts adapts Megatron's SequentialMLP (one linear pair per expert); this "
+                             f"model's experts are a {type(module).__name__} (grouped GEMM): build it with "
+                             f"moe_grouped_gemm off or drop {', '.join(EXPERT_MODULES)} from lora.target_modules")
+
+
 def attach(model: torch.nn.Module, config: LoraConfig) -> int:
-    """Add an adapter to each of ``config.target_modules`` in ``model``'s decoder layers (not experts, not MTP layers),
+    """Add an adapter to each of ``config.target_modules`` in ``model``'s decoder layers (not MTP layers),
     freezing every other parameter. Returns the number of layers adapted."""
     model.requires_grad_(False)
+    _check_experts(model, config)
     adapted = 0
     for name, module in list(model.named_modules()):
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf not in config.target_modules or not name.startswith("decoder.layers.") or ".experts." in name:
+        target = _target_of(name)
+        if target not in config.target_modules:
             continue
-        module.adapter = Adapter(module, config, seed=_stable_seed(model, name))
+        module.adapter = Adapter(module, config, seed=_stable_seed(model, name), expert=target in EXPERT_MODULES)
         module.weight.lora_adapter = module.adapter
         object.__setattr__(module.adapter, "base_weight", module.weight)  # a reference, not a child parameter
-        module.register_forward_hook(_add_delta)
-        gated = leaf == "linear_fc1" and module.config.gated_linear_unit
+        if _NORM_FUSED in _class_names(module):
+            module.forward = _norm_fused_forward(module)
+        else:
+            module.register_forward_hook(_add_delta)
+        gated = target.endswith("linear_fc1") and module.config.gated_linear_unit
         module.sharded_state_dict = _sharded_state_dict(module, module.sharded_state_dict, gated)
         adapted += 1
     if not adapted:
@@ -203,11 +336,16 @@ def attach(model: torch.nn.Module, config: LoraConfig) -> int:
 
 def global_name(model: torch.nn.Module, name: str) -> str:
     """``name`` (a module in a decoder layer of the GPT ``model``) with its layer index made Megatron's global
-    ``layer_number`` (from 1), so it names the same layer in every pipeline layout."""
+    ``layer_number`` (from 1) and an expert's local index its global one, so it names the same layer in every
+    pipeline and expert-parallel layout."""
     match = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", name)
     if not match:
         return name
-    return f"decoder.layers.{model.decoder.layers[int(match.group(1))].layer_number}.{match.group(2)}"
+    layer, rest = model.decoder.layers[int(match.group(1))], match.group(2)
+    expert = _EXPERT.match(rest)
+    if expert:
+        rest = f"mlp.experts.local_experts.{layer.mlp.local_expert_indices[int(expert.group(1))]}.{expert.group(2)}"
+    return f"decoder.layers.{layer.layer_number}.{rest}"
 
 
 def _stable_seed(model: torch.nn.Module, name: str) -> int:

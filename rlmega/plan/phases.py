@@ -29,6 +29,9 @@ SOURCES = {
     "bucket": "config: sync.bucket_bytes, two on stage 0 (one in transit), plus measured: the largest tensor the "
               "rank gathers for the export (meta_build)",
     "receive": "config: 2 x sync.bucket_bytes, the woken engine's receive slots",
+    "teacher": "measured: a distillation teacher's parameters and buffers on its fullest rank (teacher.layout, "
+               "teacher.dtype) x its ranks on this GPU (teacher.gpus_per_rank < 1: the actor's GPUs), on the meta "
+               "device (meta_build, plan/teacher.py)",
     "swapped": "the larger of the trained roles (offloaded while the engine generates) and the engine's weights "
                "(asleep while the roles train)",
 }
@@ -69,6 +72,10 @@ class Holdings:
     colocated: bool
     resident: bool
     """rollout.colocated_offload=never: training state and engine stay on the GPU together."""
+    teacher_resident: float = 0.0
+    """Distillation teachers' weights on this GPU that stay there (``teacher.offload`` false)."""
+    teacher_offloaded: float = 0.0
+    """Those onloaded for the log-prob phase only (``teacher.offload``), in host memory otherwise."""
 
 
 def phase_terms(held: Holdings) -> tuple[dict[str, list[Term]], list[Term]]:
@@ -89,18 +96,25 @@ def phase_terms(held: Holdings) -> tuple[dict[str, list[Term]], list[Term]]:
                           Term("engine KV cache", max(kv, 0.0), "kv_cache")) if t.bytes]
     resident = engine if held.resident else []
     reserved = [Term("reserved", held.reserved, "reserved")]
+    teacher = [Term("teacher parameters", held.teacher_resident, "teacher")] if held.teacher_resident else []
+    scoring = teacher + ([Term("teacher parameters (onloaded)", held.teacher_offloaded, "teacher")]
+                         if held.teacher_offloaded else [])
     gpu = {
-        "generate": reserved + ref_rest + ((engine + (trained if resident else [])) if held.colocated else trained),
-        "logprobs": reserved + trained + ref_gpu + [Term("activations, forward only", held.forward, "forward")] + resident,
-        "update": reserved + trained + ref_rest + [Term("activations, as configured", held.activations, "activations")]
-                  + resident,
-        "sync": reserved + (exported if hands_over else trained) + ref_rest + [Term("sync buckets", held.bucket, "bucket")]
+        "generate": reserved + teacher + ref_rest + ((engine + (trained if resident else [])) if held.colocated else trained),
+        "logprobs": reserved + scoring + trained + ref_gpu
+                    + [Term("activations, forward only", held.forward, "forward")] + resident,
+        "update": reserved + teacher + trained + ref_rest
+                  + [Term("activations, as configured", held.activations, "activations")] + resident,
+        "sync": reserved + teacher + (exported if hands_over else trained) + ref_rest
+                + [Term("sync buckets", held.bucket, "bucket")]
                 + (engine + [Term("engine receive slots", held.receive, "receive")] if engine else []),
     }
     host = [Term(f"{name} optimizer in host memory", memory.optimizer_host, "optimizer_host")
             for name, memory in held.roles.items() if memory.optimizer_host]
     if ref and held.ref_offloaded:
         host += [Term(f"{t.name} (offloaded)", t.bytes, t.source) for t in ref_gpu]
+    if held.teacher_offloaded:
+        host.append(Term("teacher parameters (offloaded)", held.teacher_offloaded, "teacher"))
     if held.colocated and not held.resident:
         host.append(Term("trained roles or sleeping engine", max(sum(t.bytes for t in trained), held.engine_weights),
                          "swapped"))

@@ -8,7 +8,8 @@ optimizer bytes per element. The phases follow the trainer (``rlmega/trainer/con
 - generate: colocated, the trained roles are in host memory and the engines awake (weights, KV cache,
   workspace: ``rollout.gpu_memory_utilization`` of the GPU); disaggregated, the trainer just waits;
 - logprobs: the trained roles back on the GPU, the reference onloaded for its pass, forward activations
-  (colocated engines asleep, level 1: their weights in host memory);
+  (colocated engines asleep, level 1: their weights in host memory); an offloaded distillation teacher
+  onloaded for its pass (a teacher on the actor's GPUs that is not offloaded is there in every phase);
 - update: the trained roles with the training activations of the micro-batches in flight;
 - sync: the trained roles, the export's buckets, and, colocated, the engines woken whole to receive.
 """
@@ -26,6 +27,7 @@ from rlmega.plan import formulas
 from rlmega.plan.meta_build import BuildRequest, measure_in_subprocess
 from rlmega.plan.phases import SOURCES, Holdings, Term, phase_terms
 from rlmega.plan.refit import Refit, plan_refit
+from rlmega.plan.teacher import TeacherPlan, plan_teachers
 from rlmega.rollout.engine_bytes import EngineLayout, engine_rank_bytes
 
 GIB = 1024**3
@@ -127,6 +129,8 @@ class Plan:
     pipeline: tuple[int, int]
     """(pp, vpp)."""
     shortfalls: list[str] = dataclasses.field(default_factory=list)
+    teachers: list[TeacherPlan] = dataclasses.field(default_factory=list)
+    """On-policy distillation's teachers (``plan/teacher.py``); the colocated ones are in the positions' phases."""
 
     @property
     def bubble(self) -> float:
@@ -238,6 +242,7 @@ class _Run:
     sequence_parallel: bool
     padded_vocab: int
     recompute: formulas.Recompute
+    teachers: list[TeacherPlan]
 
 
 def _activations(run: _Run, raw: dict) -> dict[str, float]:
@@ -277,7 +282,9 @@ def _position(run: _Run, raw: dict) -> Position:
         engine_weights=engine.weights, bucket=bucket, receive=2 * config.sync.bucket_bytes,
         reserved=config.plan.reserved_gib * GIB, colocated=colocated,
         # rollout.colocated_offload=never: training state and engine stay resident together in every phase.
-        resident=colocated and config.rollout.colocated_offload == "never"))
+        resident=colocated and config.rollout.colocated_offload == "never",
+        teacher_resident=sum(t.gpu_bytes for t in run.teachers if t.colocated and not t.offload),
+        teacher_offloaded=sum(t.gpu_bytes for t in run.teachers if t.colocated and t.offload)))
     return Position(
         stages=raw["stages"], ranks=_ranges([(s * per_stage, (s + 1) * per_stage - 1) for s in raw["stages"]]),
         layers=_layers_label(raw), worst_rank=raw["stages"][0] * per_stage + worst, roles=memory,
@@ -316,24 +323,26 @@ def make_plan(config, config_name: str = "", measure=measure_in_subprocess) -> P
     tokens, microbatches = microbatch_tokens(config, layout)
     refit = plan_refit(config, layout, measured, preset, spec, _hf_config(config.model.path))
     engine = engine_plan(config, shape, preset)
+    teachers = plan_teachers(config, measure)
     run = _Run(config=config, roles=roles, layout=layout, shape=shape, tokens=tokens, microbatches=microbatches,
                engine=engine, padded_vocab=padded_vocab_size(spec.vocab_size, layout.tp),
                sequence_parallel=config.actor.uses_sequence_parallel(layout.tp, moe=spec.num_experts is not None,
                                                                      gpu=True),  # the plan is for GPUs
-               recompute=formulas.Recompute.of(config.actor))
+               recompute=formulas.Recompute.of(config.actor), teachers=teachers)
     positions = [_position(run, raw) for raw in measured]
     colocated = config.rollout.placement == "colocated"
     plan = Plan(
         config_name=config_name, architecture=spec.architecture, parameters=int(refit.totals["engine_params"]),
         mtp_parameters=int(refit.totals["mtp_params"]), notes=list(spec.notes), layout=layout.describe(),
         gpu=config.plan.gpu, gpu_memory=preset.memory_gib * GIB,
-        nodes=math.ceil((layout.world_size + (0 if colocated else engine.gpus)) / config.plan.gpus_per_node),
+        nodes=math.ceil((layout.world_size + (0 if colocated else engine.gpus) + sum(t.gpus for t in teachers))
+                        / config.plan.gpus_per_node),
         tokens_per_microbatch=tokens, microbatches=microbatches, recompute=run.recompute.describe(),
         placement=config.rollout.placement, positions=positions, engine=engine, refit=refit,
         host_per_node=max(p.host for p in positions) * config.plan.gpus_per_node,
         host_memory=config.plan.host_memory_gib * GIB, min_headroom=config.plan.min_headroom_gib * GIB,
         world_size=layout.world_size, ranks_per_stage=layout.world_size // layout.pp,
-        pipeline=(layout.pp, layout.virtual_stages))
+        pipeline=(layout.pp, layout.virtual_stages), teachers=teachers)
     plan.shortfalls = _shortfalls(plan, config)
     return plan
 
@@ -365,6 +374,12 @@ def _shortfalls(plan: Plan, config) -> list[str]:
                      f"{plan.engine.workspace / GIB:.1f} GiB exceed rollout.gpu_memory_utilization="
                      f"{config.rollout.gpu_memory_utilization} of {plan.gpu_memory / GIB:.1f} GiB: no room for a KV cache "
                      f"(short by {-plan.engine.kv_cache / GIB:.1f} GiB); raise it or rollout.tensor_parallel_size")
+    for teacher in plan.teachers:
+        need = teacher.gpu_bytes + config.plan.reserved_gib * GIB
+        if not teacher.colocated and need + plan.min_headroom > plan.gpu_memory:
+            lines.append(f"{teacher.name} GPUs: its rank needs {need / GIB:.1f} GiB (weights and plan.reserved_gib), "
+                         f"{plan.gpu} has {plan.gpu_memory / GIB:.1f} GiB and {plan.min_headroom / GIB:.1f} GiB must stay "
+                         f"free; raise {teacher.name}.layout.tp or pp")
     if plan.host_per_node > plan.host_memory:
         lines.append(f"host memory: a node needs {plan.host_per_node / GIB:.0f} GiB, plan.host_memory_gib is "
                      f"{plan.host_memory / GIB:.0f}: short by {(plan.host_per_node - plan.host_memory) / GIB:.0f} GiB")
@@ -380,6 +395,7 @@ def _biggest(position: Position, phase: str) -> str:
         parts[f"{name} params"] = role.params
     if phase in ("generate", "sync"):
         parts["engine"] = position.engine
+    parts["teacher"] = sum(term.bytes for term in position.terms[phase] if term.source == "teacher")
     if phase == "update":
         parts["activations"] = position.activations["configured"]
     top = sorted(parts.items(), key=lambda item: -item[1])[:3]

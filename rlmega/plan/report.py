@@ -66,6 +66,10 @@ def render(plan: Plan) -> str:
             for variant in memories[0].optimizer_variants:
                 where = "host" if variant == "cpu_offload" else "GPU"
                 lines.append(_row(f"  as {variant} ({where})", [_gib(m.optimizer_variants[variant]) for m in memories]))
+    colocated = [t for t in plan.teachers if t.colocated]
+    if colocated:
+        label = "teacher parameters" + (" (offloaded)" if all(t.offload for t in colocated) else "")
+        lines.append(_row(label, [_gib(sum(t.gpu_bytes for t in colocated))] * len(positions)))
     lines += [
         _row("activations, no recompute", [_gib(p.activations["none"]) for p in positions]),
         _row("activations, full recompute", [_gib(p.activations["full"]) for p in positions]),
@@ -91,6 +95,12 @@ def render(plan: Plan) -> str:
                               f": the engine runs about {engine.kv_tokens / max(engine.tokens_needed, 1):.0%} of them at once"),
         f"host       {plan.host_per_node / GIB:.0f} GiB per node of {plan.host_memory / GIB:.0f}",
     ]
+    for teacher in plan.teachers:
+        where = (f"sharing the actor's GPUs ({teacher.ranks_per_gpu} per GPU)" if teacher.colocated
+                 else f"on {teacher.gpus} GPUs of its own")
+        rest = ", in host memory between uses (offload)" if teacher.offload else ", resident"
+        lines.append(f"teacher    {teacher.name}: {teacher.layout}, {teacher.world_size} ranks {where}: "
+                     f"{_gib(teacher.rank_bytes)} GiB of {teacher.dtype} weights per rank{rest}")
     refit = plan.refit
     chosen = refit.transport + (" (auto)" if refit.requested == "auto" else "")
     if refit.sliced is not None:
@@ -110,7 +120,7 @@ def render(plan: Plan) -> str:
         lines.append(f"  predicted {refit.seconds_overlapped:.1f} s (legs overlapped) to {refit.seconds_serial:.1f} s (in turn), "
                      "bandwidth only")
     if refit.target is not None:
-        lines.append("target     the sliced transfer plan, every replica sending (no transport runs it yet):")
+        lines.append("target     the sliced transfer plan, every replica sending (sync.transport=sliced, engines of one GPU each):")
         lines += _sliced(refit.target)
     lines.append("")
     if plan.shortfalls:

@@ -15,6 +15,9 @@ Two ways to get new weights in:
   from the trainer ranks (``rlmega.sync.vllm_sharded``, which calls the ``native_transfer_*`` methods);
   the two ways above are then refused, since vLLM runs one weight-transfer backend per engine.
 
+``lora_rank > 0`` (``sync.lora=adapters``) builds the engine with vLLM's LoRA kernels: updates then carry the trained
+adapter (and base weights only when the base changed), which every request applies (``rlmega.rollout.vllm_lora``).
+
 ``record_routing=True`` builds the engine with ``enable_return_routed_experts`` (MoE routing replay, R3): every
 ``Generation`` then carries the experts its tokens went to (``Generation.routing``).
 
@@ -45,6 +48,7 @@ from rlmega.rollout.engine_common import (
 )
 from rlmega.rollout.engine_lock import runs_model, serialised
 from rlmega.rollout.protocol import SamplingParams
+from rlmega.rollout.vllm_lora import AdapterFiles, max_lora_rank
 from rlmega.rollout.weight_group import WeightMeta
 from rlmega.data.schema import ImageInputs
 from rlmega.data.images import keeping_sizes
@@ -65,9 +69,11 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
 # Checked against the vllm 0.33.0 wheel: vllm/entrypoints/llm.py (LLM.__init__, generate, collective_rpc,
 # sleep, wake_up, reset_prefix_cache), vllm/entrypoints/rl/offline.py (RLOfflineMixin: start_weight_update,
 # finish_weight_update), vllm/sampling_params.py, vllm/outputs.py (CompletionOutput), vllm/config/model.py
-# (LogprobsMode), vllm/config/weight_transfer.py, vllm/distributed/weight_transfer/nccl_engine.py
-# (start / finish: layerwise reload), vllm/v1/worker/gpu_worker.py (the weight-transfer calls,
-# model_runner), vllm/engine/arg_utils.py (worker_extension_cls, weight_transfer_config, enable_return_routed_experts).
+# (LogprobsMode), vllm/config/weight_transfer.py, vllm/config/lora.py (MaxLoRARanks), vllm/lora/request.py
+# (LoRARequest), vllm/v1/engine/llm_engine.py (LLMEngine.add_lora / remove_lora),
+# vllm/distributed/weight_transfer/nccl_engine.py (start / finish: layerwise reload), vllm/v1/worker/gpu_worker.py
+# (the weight-transfer calls, model_runner), vllm/engine/arg_utils.py (worker_extension_cls, weight_transfer_config,
+# enable_return_routed_experts, enable_lora, max_lora_rank, max_loras).
 # Routed experts: vllm/model_executor/layers/fused_moe/routed_experts_capturer.py (the capture buffer:
 # [tokens, num_hidden_layers, top-k], each MoE layer at its decoder-layer index, logical expert ids before
 # EPLB; uint8 up to 256 experts, else uint16), vllm/distributed/aux_output_connector/connector.py (take_output:
@@ -98,14 +104,23 @@ def executor_backend(weight_transfer: str) -> str | None:
     return "ray" if weight_transfer == "sharded_rdt" else None
 
 
-def _engine_settings(record_routing: bool, weight_transfer: str = "nccl", multimodal: bool = False) -> dict:
+# vllm/config/lora.py MaxLoRARanks (0.33.0 and 0.34.0): the ranks max_lora_rank may take.
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _engine_settings(record_routing: bool, weight_transfer: str = "nccl", multimodal: bool = False,
+                     lora_rank: int = 0) -> dict:
     """Engine arguments the adapter depends on."""
     routing = {"enable_return_routed_experts": True} if record_routing else {}
+    # One adapter at a time (the current one), its rank rounded up to one vLLM builds kernels for.
+    lora = {"enable_lora": True, "max_lora_rank": max_lora_rank(lora_rank, MAX_LORA_RANKS), "max_loras": 1} \
+        if lora_rank else {}
     executor = executor_backend(weight_transfer)
     return {
         # Every request's CompletionOutput.routed_experts: [P + R - 1, num_hidden_layers, k] (no per-request
         # switch; SamplingParams.routed_experts_prompt_start, default 0, would skip prompt rows).
         **routing,
+        **lora,
         **({"distributed_executor_backend": executor} if executor else {}),
         # Token ids in, token ids out: no tokenizer, no detokenizer. A multimodal model's processor is built at
         # construction and refuses to start without the tokenizer (vllm/multimodal/processing/processor.py:
@@ -205,8 +220,8 @@ def _vllm_prompt(prompt: list[int], item: ImageInputs | None, facts: ModelFacts)
             "mm_processor_kwargs": {"min_pixels": limits["shortest_edge"], "max_pixels": limits["longest_edge"]}}
 
 
-def _vllm_generate(llm, prompts: list[dict], sampling_params: list) -> list[EngineResponse]:
-    outputs = llm.generate(prompts, sampling_params, use_tqdm=False)
+def _vllm_generate(llm, prompts: list[dict], sampling_params: list, lora_request=None) -> list[EngineResponse]:
+    outputs = llm.generate(prompts, sampling_params, use_tqdm=False, lora_request=lora_request)
     responses = []
     for output in outputs:
         completion = output.outputs[0]
@@ -219,6 +234,22 @@ def _vllm_generate(llm, prompts: list[dict], sampling_params: list) -> list[Engi
         # numpy [P + R - 1, num_hidden_layers, k] (uint8 / uint16) with enable_return_routed_experts, else None.
         responses.append(EngineResponse(tokens, logprobs, False, completion.routed_experts))
     return responses
+
+
+def _lora_request(name: str, int_id: int, path: str):
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=name, lora_int_id=int_id, lora_path=path)
+
+
+def _add_lora(llm, request) -> None:
+    # vllm/v1/engine/llm_engine.py add_lora: False when an adapter of that id is loaded already (ids are never reused).
+    if not llm.llm_engine.add_lora(request):
+        raise RuntimeError(f"vLLM did not load LoRA adapter {request.lora_name} (id {request.lora_int_id})")
+
+
+def _remove_lora(llm, int_id: int) -> None:
+    llm.llm_engine.remove_lora(int_id)
 
 
 def _start_update(llm) -> None:
@@ -313,13 +344,17 @@ class VLLMEngine(EngineAdapter):
     (``WEIGHT_TRANSFERS``): ``"nccl"`` for rlmega's transports, ``"sharded_rdt"`` for ``ShardedSync``.
     ``weight_dtype="fp8"``: vLLM serves blockwise FP8 from an FP8 copy of the checkpoint (``EngineAdapter``);
     updates are quantized on the way in.
+    ``lora_rank > 0``: vLLM's LoRA is enabled for adapters of up to that rank; an update's adapter tensors (PEFT names,
+    ``rlmega.rollout.vllm_lora``) are written as a PEFT directory under ``lora_dir`` (default: a directory of its own
+    in /dev/shm) and loaded at the commit, replacing the one before; every request then applies it.
     """
 
     engine_name = "vllm"
 
     def __init__(self, model: str | os.PathLike, *, in_process: bool = True,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, record_routing: bool = False,
-                 weight_transfer: str = "nccl", weight_dtype: str = "auto", **engine_kwargs):
+                 weight_transfer: str = "nccl", weight_dtype: str = "auto", lora_rank: int = 0,
+                 lora_dir: str | None = None, **engine_kwargs):
         if weight_transfer not in WEIGHT_TRANSFERS:
             raise ValueError(f"VLLMEngine weight_transfer={weight_transfer!r}: choose one of {list(WEIGHT_TRANSFERS)}")
         executor = executor_backend(weight_transfer)
@@ -332,8 +367,15 @@ class VLLMEngine(EngineAdapter):
         super().__init__(model, bucket_bytes=bucket_bytes, engine_version=self._vllm.__version__,
                          record_routing=record_routing, weight_dtype=weight_dtype)
         engine_kwargs.setdefault("gpu_memory_utilization", DEFAULT_GPU_MEMORY_UTILIZATION)
+        if lora_rank and (weight_transfer != "nccl" or weight_dtype != "auto"):
+            raise ValueError(f"VLLMEngine lora_rank={lora_rank} takes its adapters through rlmega's own transports "
+                             f"onto base weights of the checkpoint's dtype: weight_transfer={weight_transfer!r} and "
+                             f"weight_dtype={weight_dtype!r} must be 'nccl' and 'auto'")
         engine_kwargs = adapter_settings("VLLMEngine", engine_kwargs, _engine_settings(
-            record_routing, weight_transfer, multimodal=self.facts.image_token_id is not None))
+            record_routing, weight_transfer, multimodal=self.facts.image_token_id is not None, lora_rank=lora_rank))
+        self._adapters = AdapterFiles(lora_dir) if lora_rank else None
+        self._lora_request = None  # the adapter every request applies (None: the base model alone)
+        self._loaded_adapters = 0
         self._workers = math.prod(int(engine_kwargs.get(key) or 1) for key in (
             "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"))
         self._layers: dict[str, set[str]] = {}  # vLLM layer -> the on-disk names loaded into it
@@ -350,7 +392,8 @@ class VLLMEngine(EngineAdapter):
                          images: list[ImageInputs | None] | None = None) -> list[EngineResponse]:
         images = images or [None] * len(prompts)
         return _vllm_generate(self.llm, [_vllm_prompt(prompt, item, self.facts) for prompt, item in zip(prompts, images)],
-                              [_vllm_sampling_params(self._vllm, p, seed) for p, seed in zip(params, seeds)])
+                              [_vllm_sampling_params(self._vllm, p, seed) for p, seed in zip(params, seeds)],
+                              self._lora_request)
 
     def _engine_interrupt(self, paused: threading.Event) -> None:
         """Nothing: a running ``generate`` completes ("stop" / "length") and only later calls see the pause.
@@ -416,14 +459,37 @@ class VLLMEngine(EngineAdapter):
                                "rlmega's own transports")
         super().begin_update(version)
         self._session_names = set()
+        if self._adapters is not None:
+            self._adapters.drop_pending()  # what a failed update brought never loads
 
     @serialised
     def commit_update(self) -> None:
         """Refuses (``ValueError``, the update left torn) an update that sent part of a vLLM layer: vLLM would
-        rebuild the rest of it from uninitialised memory (``vllm_layer``)."""
+        rebuild the rest of it from uninitialised memory (``vllm_layer``). An update that brought an adapter has
+        vLLM load it before the version commits (if that fails, the update is left torn)."""
         self._check_whole_layers()
+        if self._adapters is not None and self._adapters.has_pending():
+            self._book.sending()
+            self._serve_adapter(self._book.pending)
         super().commit_update()
         self._session_names = set()
+
+    def _checked_buckets(self, named_tensors):
+        if self._adapters is None:
+            return super()._checked_buckets(named_tensors)
+        return super()._checked_buckets(self._adapters.take(named_tensors))
+
+    def _serve_adapter(self, version: int) -> None:
+        """The pending adapter written, loaded as a new ``LoRARequest`` (ids never reused: vLLM keeps an adapter by
+        id), then the previous one removed."""
+        self._loaded_adapters += 1
+        name = f"rlmega-{self._loaded_adapters}-v{version}"
+        request = _lora_request(name, self._loaded_adapters, str(self._adapters.write(name)))
+        _add_lora(self.llm, request)
+        previous, self._lora_request = self._lora_request, request
+        if previous is not None:
+            _remove_lora(self.llm, previous.lora_int_id)
+            self._adapters.remove(previous.lora_name)
 
     def _check_whole_layers(self) -> None:
         for layer in sorted({vllm_layer(name) for name in self._session_names}):

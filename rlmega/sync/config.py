@@ -8,12 +8,16 @@ rule that depends on which transport was chosen lives here, so nothing above ``r
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Sequence
 
 SHARDED_RDT = "sharded_rdt"
 """vLLM's own weight transfer (``rlmega.sync.vllm_sharded``): every training rank serves its slices."""
 SLICED = "sliced"
 """The transfer plan carried out (``rlmega.sync.sliced``): every training rank sends its blocks to the engine ranks."""
+LORA_SYNCS = ("merged", "adapters")
+"""``sync.lora``: what a LoRA actor's sync sends."""
+# The transports that stream a gather of rank 0 into the engines' update_weights, which takes the adapters.
+ADAPTER_TRANSPORTS = ("auto", "in_process", "shared_memory", "object_store")
 
 
 def transport_names() -> tuple[str, ...]:
@@ -46,16 +50,22 @@ class SyncConfig:
     check_every: int = 1
     """Run the post-sync check after every k-th sync (always after the run's first one): its cost is
     one greedy generation and one forward pass of a few probe prompts."""
+    lora: str = "merged"
+    """A LoRA actor's sync (``actor.lora.rank > 0``). merged: every weight, with the adapters merged in
+    (``W + scale * B @ A``), into any engine. adapters: the adapters alone, in PEFT names, which vLLM applies with its
+    LoRA kernels over the base it loaded once (``rollout.backend=vllm``; rlmega/sync/README.md)."""
 
     def checks(self, version: int, first_version: int) -> bool:
         """Whether the sync of ``version`` runs the post-sync check (the run's first sync, ``first_version``, always)."""
         return self.post_sync_check and (version == first_version or version % self.check_every == 0)
 
-    def problems(self, rollout_backend: str, restarts_engines: bool, engine_gpus: int = 1) -> list[tuple[str, str]]:
+    def problems(self, rollout_backend: str, restarts_engines: bool, engine_gpus: int = 1, lora_rank: int = 0,
+                 weight_dtype: str = "auto", lora_modules: Sequence[str] = ()) -> list[tuple[str, str]]:
         """What in this section contradicts the rest of the run, as (key, what to do) pairs: ``rollout_backend`` is
         ``rollout.backend``, ``restarts_engines`` whether ``rollout.restart_dead_engines`` is on, ``engine_gpus``
-        the GPUs of one engine."""
-        found = []
+        the GPUs of one engine, ``lora_rank`` and ``lora_modules`` ``actor.lora.rank`` and ``target_modules``,
+        ``weight_dtype`` ``rollout.weight_dtype``."""
+        found = self._lora_problems(rollout_backend, lora_rank, weight_dtype, lora_modules)
         if self.transport != "auto" and self.transport not in transport_names():
             found.append(("sync.transport", f"{self.transport!r} is not one of auto, "
                                             f"{', '.join(sorted(transport_names()))}"))
@@ -78,7 +88,38 @@ class SyncConfig:
             found.append(("sync.post_sync_atol", "must be > 0 (null: chosen by the run's precision)"))
         return found
 
-    def engine_arguments(self) -> dict:
-        """What a vLLM engine must be built with for this transport: vLLM runs the weight-transfer backend it was
-        built with."""
-        return {"weight_transfer": SHARDED_RDT} if self.transport == SHARDED_RDT else {}
+    def _lora_problems(self, rollout_backend: str, lora_rank: int, weight_dtype: str,
+                       lora_modules: Sequence[str]) -> list[tuple[str, str]]:
+        if self.lora not in LORA_SYNCS:
+            return [("sync.lora", f"{self.lora!r} is not one of {', '.join(LORA_SYNCS)}")]
+        if self.lora != "adapters":
+            return []
+        if not lora_rank:
+            return [("sync.lora", "adapters sends a LoRA actor's adapters, but actor.lora.rank is 0: set "
+                                  "actor.lora.rank > 0, or sync.lora=merged")]
+        if rollout_backend == "hf":
+            return [("sync.lora", "adapters needs vLLM's LoRA kernels, but rollout.backend is hf: set "
+                                  "sync.lora=merged (the hf engine takes the merged weights), or rollout.backend=vllm")]
+        if rollout_backend == "sglang":
+            return [("sync.lora", "adapters is built for vLLM only (rlmega's SGLang adapter does not call SGLang's "
+                                  "load_lora_adapter yet): set sync.lora=merged, or rollout.backend=vllm")]
+        if weight_dtype != "auto":
+            return [("sync.lora", f"adapters keeps the base weights the engines loaded, but rollout.weight_dtype="
+                                  f"{weight_dtype} quantizes the weights a sync sends: set sync.lora=merged, or "
+                                  "rollout.weight_dtype=auto")]
+        experts = sorted(module for module in lora_modules if module.startswith("experts."))
+        if experts:
+            return [("sync.lora", f"adapters sends attention and dense-MLP adapters to vLLM; its loading of per-expert "
+                                  f"adapters ({', '.join(experts)} in actor.lora.target_modules) is not checked yet: "
+                                  "set sync.lora=merged, or adapt no experts")]
+        if self.transport not in ADAPTER_TRANSPORTS:
+            return [("sync.transport", f"{self.transport} moves base weights straight into the engines' layers, and "
+                                       "sync.lora=adapters sends adapters: use one of "
+                                       f"{', '.join(ADAPTER_TRANSPORTS)}")]
+        return []
+
+    def engine_arguments(self, lora_rank: int = 0) -> dict:
+        """What a vLLM engine must be built with for this sync: vLLM runs the weight-transfer backend it was built
+        with, and serves adapters of up to ``lora_rank`` (``actor.lora.rank``) with ``sync.lora=adapters``."""
+        transfer = {"weight_transfer": SHARDED_RDT} if self.transport == SHARDED_RDT else {}
+        return {**transfer, **({"lora_rank": lora_rank} if self.lora == "adapters" and lora_rank else {})}

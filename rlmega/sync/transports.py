@@ -25,7 +25,7 @@ into the engine's process and handed to the engine's ``update_weights`` there, w
 like any other stream and commits the version only when it ends cleanly.
 
 The transports by name, ``auto`` and the transports kept for later updates are in ``rlmega.sync.registry``;
-``rlmega.sync.weight_sync.GatheredTransport`` streams the bridge's export through one of them.
+``rlmega.sync.gathered.GatheredTransport`` streams the bridge's export through one of them.
 """
 
 from __future__ import annotations

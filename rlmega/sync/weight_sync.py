@@ -4,32 +4,31 @@ A training rank's ``WeightSync`` is built once from the ``sync`` config (``SyncC
 it feeds, and serves every update of the run: ``push(version)`` moves the weights through the ``Transport`` chosen
 at construction, ``check(probes, version)`` runs the post-sync check. Both are collective over the model's ranks.
 
-A ``Transport`` here is one whole way of moving a model (collective): ``GatheredTransport`` runs the bridge's
-bucketed export and streams rank 0's buckets through a bucket transport (``rlmega.sync.transports``: in-process,
-object store, shared memory, broadcast), bucket n shipped while bucket n+1 is built; ``ShardedSync``
-(``rlmega.sync.vllm_sharded``) has every rank serve its own slices to vLLM's workers. The version an engine
-serves is the engine's own record (``weight_version``); ``require_version`` compares it with what was pushed.
+A ``Transport`` here is one whole way of moving a model (collective): ``GatheredTransport`` (``rlmega.sync.gathered``)
+runs the bridge's bucketed export and streams rank 0's buckets through a bucket transport (``rlmega.sync.transports``:
+in-process, object store, shared memory, broadcast), bucket n shipped while bucket n+1 is built; ``AdapterTransport``
+(``rlmega.sync.lora_adapters``, ``sync.lora=adapters``) streams a LoRA actor's adapters alone the same way;
+``ShardedSync`` (``rlmega.sync.vllm_sharded``) has every rank serve its own slices to vLLM's workers. The version an
+engine serves is the engine's own record (``weight_version``); ``require_version`` compares it with what was pushed.
 """
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Protocol, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union
 
 from rlmega.bridge import DEFAULT_BUCKET_BYTES
-from rlmega.bridge.export import export_hf_buckets
-from rlmega.bridge.fp8 import quantized_buckets
 from rlmega.models.spec import ModelSpec
 from rlmega.rollout.protocol import RolloutEngine
-from rlmega.sync.buckets import NamedTensors, nbytes_of
 from rlmega.sync.config import SHARDED_RDT, SLICED, SyncConfig
-from rlmega.sync.errors import StaleWeightsError, WeightSyncError
+from rlmega.sync.errors import StaleWeightsError
+from rlmega.sync.gathered import GatheredTransport
 from rlmega.sync.post_sync_check import PostSyncCheck
 from rlmega.sync.stats import SyncStats
 from rlmega.sync.registry import kept_transport, make_transport
-from rlmega.sync.transports import DEFAULT_TIMEOUT_S, BucketTransport, stream_update
+from rlmega.sync.transports import DEFAULT_TIMEOUT_S, BucketTransport
 
 if TYPE_CHECKING:
+    from rlmega.sync.lora_adapters import AdapterSource
     from rlmega.sync.sliced import SlicedSetup
 
 
@@ -51,56 +50,6 @@ def require_version(engine: RolloutEngine, expected: int) -> None:
         raise StaleWeightsError(served, expected, type(engine).__name__)
 
 
-def _counted(buckets: Iterable[NamedTensors], totals: dict) -> Iterator[NamedTensors]:
-    for bucket in buckets:
-        totals["tensors"] += len(bucket)
-        totals["bytes"] += nbytes_of(bucket)
-        yield bucket
-
-
-class GatheredTransport:
-    """The bridge's export, gathered to ``engine_rank``, which streams it bucket by bucket into its ``engines``
-    (None on the other ranks, which take part in the export's collectives and drop the tensors) through
-    ``buckets``, a bucket transport."""
-
-    def __init__(self, chunks: list, spec: ModelSpec, engines: Optional[Sequence], buckets: Optional[BucketTransport],
-                 *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, engine_rank: int = 0, weight_dtype: str = "auto"):
-        """``weight_dtype``: the engines' (``rollout.weight_dtype``); with ``fp8`` the buckets carry every linear
-        weight blockwise-quantized with its scales (``rlmega.bridge.fp8``), about half the bytes."""
-        self.chunks, self.spec, self.bucket_bytes, self.engine_rank = chunks, spec, bucket_bytes, engine_rank
-        self.weight_dtype = weight_dtype
-        self.engines = list(engines) if engines is not None else None
-        self.buckets = buckets
-        self.name = buckets.name if buckets is not None else "gathered"
-
-    def push(self, version: int) -> SyncStats:
-        """If the bucket transport fails, this rank still runs the export to its end (the other ranks are in its
-        collectives), then raises ``TransportError``; the engine then refuses to generate until a later update
-        completes."""
-        totals = {"tensors": 0, "bytes": 0}
-        started = time.perf_counter()
-        exported = export_hf_buckets(self.chunks, self.spec, bucket_bytes=self.bucket_bytes,
-                                     destinations=[self.engine_rank])
-        if self.weight_dtype == "fp8" and self.engines is not None:
-            exported = quantized_buckets(exported)
-        buckets = _counted(exported, totals)
-        if self.engines is None:
-            for _ in buckets:
-                pass
-            return SyncStats(version=version, seconds=time.perf_counter() - started, **totals)
-        try:
-            stream_update(self.buckets, self.engines, buckets, version)
-        except WeightSyncError:
-            for _ in buckets:  # leave no rank waiting in the export's collectives
-                pass
-            raise
-        return SyncStats(version=version, seconds=time.perf_counter() - started, transport=self.name, **totals)
-
-    def close(self) -> None:
-        if self.buckets is not None:  # None on the ranks that hold no engine
-            self.buckets.release()  # a kept region or group, if the transport holds one
-
-
 class WeightSync:
     """A run's weight sync on one training rank: its transport, chosen once, and the post-sync check."""
 
@@ -112,15 +61,27 @@ class WeightSync:
 
     @classmethod
     def build(cls, config: SyncConfig, chunks: list, spec: ModelSpec, engines: Optional[list], *,
-              atol: float, sliced: Optional["SlicedSetup"] = None, weight_dtype: str = "auto") -> WeightSync:
+              atol: float, sliced: Optional["SlicedSetup"] = None, weight_dtype: str = "auto",
+              adapters: Optional["AdapterSource"] = None) -> WeightSync:
         """This training rank's weight sync into ``engines`` (on rank 0, the sender; None on the other ranks), with
         its transport chosen now, once, and the post-sync check at tolerance ``atol``; ``sliced``: where things
         are, which the ``sliced`` transport plans by; ``weight_dtype``: the engines' (``fp8``: the bridge's buckets
-        are quantized before they travel). Collective."""
-        if config.transport == SHARDED_RDT:
+        are quantized before they travel); ``adapters``: a LoRA actor's, which ``sync.lora=adapters`` sends alone.
+        Collective."""
+        if config.lora == "adapters":
+            from rlmega.sync.lora_adapters import AdapterTransport
+
+            if adapters is None:
+                raise ValueError("sync.lora=adapters needs a LoRA actor "
+                                 "(WeightSync.build's adapters=AdapterSource(...))")
+            buckets = None if engines is None else make_transport(
+                config.transport, engines, bucket_bytes=config.bucket_bytes, timeout_s=config.timeout_s)
+            transport: Transport = AdapterTransport(chunks, spec, engines, buckets, adapters,
+                                                    bucket_bytes=config.bucket_bytes)
+        elif config.transport == SHARDED_RDT:
             from rlmega.sync.vllm_sharded import ShardedSync
 
-            transport: Transport = ShardedSync(chunks, spec, engines, timeout_s=config.timeout_s)
+            transport = ShardedSync(chunks, spec, engines, timeout_s=config.timeout_s)
         elif config.transport == SLICED:
             from rlmega.sync.sliced import sliced_transport
 

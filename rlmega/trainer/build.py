@@ -1,6 +1,6 @@
 """Starting a run's parts on Ray and handing them to the ``Trainer`` whole.
 
-    trainer = build_trainer(config)      # where it resumes; reward model / judge, prompts, training ranks, engines, ...
+    trainer = build_trainer(config)      # where it resumes; reward model / judge, prompts, teachers, ranks, engines, ...
     exit_code = trainer.fit()
 """
 
@@ -25,7 +25,7 @@ def build_trainer(config: RLConfig, datasets: Optional[PromptDatasets] = None) -
     """Every part of the run described by ``config``, started and wired; nothing is left running if
     one of them fails to start. Where it starts (``resume``) is decided first, before anything starts.
     ``datasets``: the prompts as ``rlmega.config.validate`` read them (None: read here)."""
-    from rlmega.trainer.cluster import start_reward_workers, start_workers
+    from rlmega.trainer.cluster import start_reward_workers, start_teachers, start_workers
 
     start = decide_resume(config)
     reward_model, judge, reward_placement = start_reward_workers(config)
@@ -37,19 +37,30 @@ def build_trainer(config: RLConfig, datasets: Optional[PromptDatasets] = None) -
                 part.shutdown()
         raise
     try:
+        teachers, teacher_placement = start_teachers(config)
+    except BaseException:
+        prompts.close()
+        raise
+    try:
         job, engines, placement = start_workers(config)
     except BaseException:
+        if teachers is not None:
+            teachers.shutdown()
         prompts.close()
         raise
     try:
         run_dir = Path(config.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "placement.json").write_text(json.dumps({**placement, **reward_placement}, indent=1))
+        (run_dir / "placement.json").write_text(json.dumps({**placement, **reward_placement, **teacher_placement},
+                                                           indent=1))
         actor, reference, critic = role_groups(job, reference=config.needs_reference, critic=config.needs_critic)
-        return Trainer(config, prompts, job, actor, engines, reference=reference, critic=critic, start=start)
+        return Trainer(config, prompts, job, actor, engines, reference=reference, critic=critic, teachers=teachers,
+                       start=start)
     except BaseException:
         engines.shutdown()
         job.shutdown()
+        if teachers is not None:
+            teachers.shutdown()
         prompts.close()
         raise
 

@@ -4,7 +4,8 @@
 engines run in those bundles and sleep while training runs (training offloads while they
 generate). *Disaggregated*: training ranks and engines get bundles of their own (engines packed
 on few nodes, or spread one per node). A reward model's ranks and a judge's engines always have
-placement groups of their own (``start_reward_workers``): they score while the policy's parts work.
+placement groups of their own (``start_reward_workers``): they score while the policy's parts work; so
+have a distillation teacher's ranks (``start_teachers``), whose fractional GPUs may share the actor's.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def connect(config: RLConfig) -> None:
         _connected_here = True
         quiet_worker_deaths(Path(config.run_dir) / "logs" / "ray-errors.log")
         return
-    groups = (*_bundles(config), *_reward_bundles(config))
+    groups = (*_bundles(config), *_reward_bundles(config), *_teacher_bundles(config).values())
     needed = sum(bundle.get("CPU", 0) for bundles in groups for bundle in bundles)
     start_guardian()  # before the session's processes start, so that they inherit its run token
     ray.init(address="local", num_cpus=max(math.ceil(needed), os.cpu_count() or 1), include_dashboard=False,
@@ -264,7 +265,7 @@ def start_reward_workers(config: RLConfig):
         if config.reward_model.enable:
             reward_pg = placement_group(reward_bundles, strategy="PACK")
             _wait_ready(reward_pg, "placing reward-model ranks", config.cluster.timeout_s)
-            ranks = TrainingRanks.for_reward_model(config, reward_pg)
+            ranks = TrainingRanks.for_frozen_model(config, config.reward_model, "reward-model rank", reward_pg)
             reward_model = RewardModelGroup(ranks)
             placement["reward_model_ranks"] = ranks.nodes
         if config.judge.enable:
@@ -284,12 +285,54 @@ def start_reward_workers(config: RLConfig):
     return reward_model, judge, placement
 
 
+def start_teachers(config: RLConfig):
+    """(Teachers or None, their placement description): each teacher of ``teacher`` (the main one and one per
+    ``teacher.per_data_source`` entry) on ranks of its own (its ``layout``), in a placement group of its own.
+    Nothing starts when ``teacher.enable`` is false; on failure, whatever was started is shut down again."""
+    from ray.util.placement_group import placement_group
+
+    from rlmega.trainer.roles import TeacherGroup, Teachers
+    from rlmega.trainer.training_group import TrainingRanks
+
+    if not config.teacher.enable:
+        return None, {}
+    connect(config)
+    bundles = _teacher_bundles(config)
+    groups: dict = {}
+    placement: dict = {}
+    try:
+        for source, settings in config.teacher.models().items():
+            name = "teacher rank" if source is None else f"teacher rank ({source})"
+            group_pg = placement_group(bundles[source], strategy="PACK")
+            _wait_ready(group_pg, f"placing {name}s", config.cluster.timeout_s)
+            ranks = TrainingRanks.for_frozen_model(config, settings, name, group_pg)
+            groups[source] = TeacherGroup(ranks)
+            placement["teacher_ranks" if source is None else f"teacher_ranks/{source}"] = ranks.nodes
+    except BaseException:
+        for group in groups.values():
+            group.shutdown()
+        raise
+    main = groups.pop(None)
+    return Teachers(main, groups), placement
+
+
+def _teacher_bundles(config: RLConfig) -> dict:
+    """{data source (None: the main teacher): placement-group bundles of its ranks}; empty when disabled."""
+    from rlmega.trainer.training_group import RankResources
+
+    if not config.teacher.enable:
+        return {}
+    return {source: _nonzero(RankResources.of_frozen_model(settings, "teacher rank").bundles())
+            for source, settings in config.teacher.models().items()}
+
+
 def _reward_bundles(config: RLConfig) -> tuple[list[dict], list[dict]]:
     """Placement-group bundles of the reward model's ranks and of the judge's engines (empty when disabled)."""
     from rlmega.trainer.training_group import RankResources
 
     judge = config.judge
-    reward = _nonzero(RankResources.of_reward_model(config).bundles()) if config.reward_model.enable else []
+    reward = (_nonzero(RankResources.of_frozen_model(config.reward_model, "reward-model rank").bundles())
+              if config.reward_model.enable else [])
     engines = ([{"CPU": judge.cpus_per_engine, "GPU": judge.gpus_per_engine}] * judge.num_engines
                if judge.enable else [])
     return reward, _nonzero(engines)

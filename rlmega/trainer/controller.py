@@ -2,7 +2,8 @@
 
     prompts -> engines generate n responses each (``rollout.mode``: before, or while the previous step
     trains) -> rewards -> old / ref log-probs, values
-    -> rollout correction -> advantages -> critic and actor updates -> weight sync (versioned, checked)
+    -> rollout correction -> advantages (with on-policy distillation: the teacher's scores)
+    -> critic and actor updates -> weight sync (versioned, checked)
     -> metrics
 
 around it: resume, an optional supervised warm-start, validation, checkpoints, a final HF export,
@@ -25,12 +26,13 @@ from rlmega.algos.rollout_correction import RolloutCorrectionConfig, compute_rol
 from rlmega.config.engine_sampling import truncates_engine_logprobs
 from rlmega.config.schema import RLConfig
 from rlmega.trainer.advantages import compute_advantages
+from rlmega.trainer.distillation import Distillation
 from rlmega.trainer.metrics import MetricsTracker
 from rlmega.trainer.batch_assembly import Rollouts
 from rlmega.trainer.prompt_side import PromptSide
 from rlmega.trainer.resume import ResumeDecision, prepare_first_save, refuse_finished_run
 from rlmega.trainer.metric_backends import StepRows
-from rlmega.trainer.roles import Actor, Critic, Engines, Reference, TrainingJob
+from rlmega.trainer.roles import Actor, Critic, Engines, Reference, Teachers, TrainingJob
 from rlmega.trainer.schedules import RolloutSchedule, rollout_schedule
 from rlmega.trainer.warm_start import supervised_warm_start
 from rlmega.workers.batching import padded_field
@@ -41,11 +43,13 @@ PREEMPTED_EXIT_CODE = 143
 class Trainer:
     def __init__(self, config: RLConfig, prompts: PromptSide, job: TrainingJob, actor: Actor, engines: Engines, *,
                  reference: Optional[Reference] = None, critic: Optional[Critic] = None,
-                 start: ResumeDecision = ResumeDecision()):
+                 teachers: Optional[Teachers] = None, start: ResumeDecision = ResumeDecision()):
         """Load the checkpoint ``start`` names (``decide_resume``: a new run by default) and open the metrics; the
         parts belong to the trainer from here on and are shut down by ``close``."""
         self.config, self.prompts, self.job, self.engines = config, prompts, job, engines
-        self.actor, self.reference, self.critic = actor, reference, critic
+        self.actor, self.reference, self.critic, self.teachers = actor, reference, critic, teachers
+        self.distillation = (Distillation(config.algorithm.distill, teachers) if config.algorithm.distill.enabled
+                             else None)
         self.run_dir = Path(config.run_dir)
         self.start = start
         self._saved_before = False
@@ -151,6 +155,11 @@ class Trainer:
             with self._timed(metrics, "update_critic"):
                 mask = {"response_mask": fields["response_mask"]} if "response_mask" in fields else {}
                 metrics.update(self.critic.update(batch.with_fields(values=values, returns=returns, **mask)))
+        if self.distillation is not None:
+            with self._timed(metrics, "teacher"):
+                advantages, batch, distill_metrics = self.distillation.apply(
+                    batch, self._data_sources(rollouts), old_logp, advantages, rollouts.response_mask)
+            metrics.update(distill_metrics)
         if config.actor.policy_loss.kl_loss_coef > 0:
             fields["ref_logp"] = ref_logp
         if fused:
@@ -182,11 +191,18 @@ class Trainer:
 
     def _fuses_old_logprob(self, step: int) -> bool:
         """Whether this step's old log-probs come from the update's own forward pass (``trainer.fuse_old_logprob``):
-        one optimizer step per batch, and nothing needs them before the update."""
+        one optimizer step per batch, and nothing needs them before the update (the KL in the reward and
+        on-policy distillation do)."""
         config = self.config
         return (config.trainer.fuse_old_logprob and config.actor.ppo_epochs == 1 and config.actor.ppo_mini_batches == 1
                 and not config.algorithm.rollout_correction.enabled and not config.algorithm.rollout_correction.bypass_mode
-                and config.algorithm.kl_in_reward_coef == 0 and step > config.trainer.critic_warmup)
+                and config.algorithm.kl_in_reward_coef == 0 and not config.algorithm.distill.enabled
+                and step > config.trainer.critic_warmup)
+
+    def _data_sources(self, rollouts: Rollouts) -> list[str]:
+        """Each response's ``data_source`` (which teacher scores it)."""
+        dataset = self.prompts.data.dataset
+        return [dataset[rollouts.prompt_indices[group]].data_source for group in rollouts.group_ids]
 
     def _corrected_fields(self, rollouts: Rollouts, old_logp: list[torch.Tensor]) -> tuple[dict, dict[str, float]]:
         """The loss mask and IS weights from the engine's vs the trainer's log-probs, and the mismatch metrics.
@@ -324,8 +340,9 @@ class Trainer:
         self.schedule.close()
         self.tracker.close()
         self.trained_prompts.close()
-        for part in (self.engines, self.job):
-            part.shutdown()
+        for part in (self.engines, self.job, self.teachers):
+            if part is not None:
+                part.shutdown()
         self.prompts.close()
 
 

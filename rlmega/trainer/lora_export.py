@@ -36,7 +36,7 @@ def _export(worker, merged_dir: Path, adapter_dir: Path, base_model: str) -> Opt
     from converters.output import atomic_directory
     from safetensors.torch import save_file
 
-    from rlmega.workers.lora_export import peft_config, peft_tensors
+    from rlmega.workers.lora_export import peft_adapter
 
     rank0 = dist.get_rank() == 0
     config = read_base(Path(base_model))[0] if rank0 else None
@@ -52,12 +52,12 @@ def _export(worker, merged_dir: Path, adapter_dir: Path, base_model: str) -> Opt
         dist.barrier()
         return (f"no PEFT adapter written: the adapters were folded into the base after the warm-start, so they do "
                 f"not apply to {base_model}; {merged_dir} holds the merged model")
-    tensors = peft_tensors(worker.chunks, worker.spec)
+    adapter = peft_adapter(worker.chunks, worker.spec, worker.config.lora, str(base_model))
     if rank0:
+        tensors, adapter_config = adapter
         with atomic_directory(adapter_dir, overwrite=True) as partial:
             save_file(tensors, str(partial / "adapter_model.safetensors"))
-            (partial / "adapter_config.json").write_text(
-                json.dumps(peft_config(worker.config.lora, tensors, str(base_model)), indent=2) + "\n")
+            (partial / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
     dist.barrier()
     return None
 

@@ -58,7 +58,11 @@ def build_prompt_side(config: RLConfig, datasets: Optional[PromptDatasets] = Non
     ``cluster.start_reward_workers``) belong to the prompt side from here on: its scorer scores with them and
     ``close`` shuts them down."""
     rollout, trainer, algorithm, agent = config.rollout, config.trainer, config.algorithm, config.agent
-    multi_turn = agent.enabled or config.gateway.enabled  # trajectories with masked tokens between the policy's
+    gateway = config.gateway if config.gateway.enabled else None
+    # The agent loop's trajectories or the harness's (through the gateway): scored and warm-started alike.
+    scored_text = agent.scored_text if agent.enabled else gateway.scored_text if gateway else None
+    demonstration = agent.demonstration if agent.enabled else gateway.demonstration if gateway else None
+    multi_turn = agent.enabled or gateway is not None  # trajectories with masked tokens between the policy's
     remax = algorithm.adv_estimator == "remax"
     data = PromptDataConfig(
         model_path=config.model.path, tokenizer_path=config.model.tokenizer_path, data=config.data,
@@ -71,12 +75,12 @@ def build_prompt_side(config: RLConfig, datasets: Optional[PromptDatasets] = Non
         max_new_tokens=rollout.max_new_tokens, n=rollout.n, seed=trainer.seed,
         agent=agent if agent.enabled else None, use_chat_template=config.data.use_chat_template,
         chat_template_kwargs=config.data.chat_template_kwargs,
-        gateway=config.gateway if config.gateway.enabled else None,
+        gateway=gateway,
     ).build(data.tokenizer)
     try:
         scorer = ScorerConfig(
             rewards=RewardManagerConfig(config.reward, config.reward_model, config.judge, seed=trainer.seed),
-            agent_scored_text=agent.scored_text if agent.enabled else None,
+            agent_scored_text=scored_text,
             overlong_buffer_length=algorithm.overlong_buffer_length,
             overlong_penalty_factor=algorithm.overlong_penalty_factor,
             max_response_length=agent.max_response_tokens if agent.enabled else rollout.max_new_tokens,
@@ -102,7 +106,8 @@ def build_prompt_side(config: RLConfig, datasets: Optional[PromptDatasets] = Non
     warm_start = WarmStart(
         WarmStartConfig(num_steps=trainer.sft_steps, lr=trainer.sft_lr,
                         sequences_per_step=trainer.prompts_per_step * rollout.n, seed=trainer.seed,
-                        demonstration=agent.demonstration if agent.enabled else None),
+                        demonstration=demonstration,
+                        demonstration_setting="gateway.demonstration" if gateway else "agent.demonstration"),
         data, generator)
     schedule = ScheduleConfig(
         mode=rollout.mode, prompts_per_step=trainer.prompts_per_step, n=rollout.n,

@@ -44,6 +44,9 @@ SETTINGS: dict[str, str] = {
     "judge": FIXED,
     "judge.backend": FREE, "judge.num_engines": FREE, "judge.cpus_per_engine": FREE, "judge.gpus_per_engine": FREE,
     "judge.gpu_memory_utilization": FREE, "judge.tensor_parallel_size": FREE, "judge.engine_kwargs": FREE,
+    "teacher": FIXED,
+    "teacher.layout": FREE, "teacher.cpus_per_rank": FREE, "teacher.gpus_per_rank": FREE, "teacher.offload": FREE,
+    "teacher.max_tokens_per_microbatch": FREE,
     "layout": FREE,  # checkpoints load into any layout (per-rank RNG states only at the same world size)
     "actor": FIXED, "ref": FIXED, "critic": FIXED,
     **_roles("optimizer.distributed_optimizer", FREE), **_roles("optimizer.cpu_offload_fraction", FREE),
@@ -77,7 +80,7 @@ SETTINGS: dict[str, str] = {
     "plan": FREE,
     "export_hf": FREE,
     "tiny_assets": FREE,
-    "tiny_assets_max_operand": FIXED, "tiny_vision": FIXED, "tiny_reward_model": FIXED,
+    "tiny_assets_max_operand": FIXED, "tiny_vision": FIXED, "tiny_reward_model": FIXED, "tiny_teacher": FIXED,
 }
 
 

@@ -1,6 +1,6 @@
 """The controller's typed view of the workers: one group per role, each with real methods.
 
-``ActorGroup``, ``ReferenceGroup``, ``CriticGroup`` and ``RewardModelGroup`` call the training
+``ActorGroup``, ``ReferenceGroup``, ``CriticGroup``, ``RewardModelGroup`` and ``TeacherGroup`` call the training
 ranks' methods (``RankProcess``), which call the rank's ``MegatronWorker``: a value can be followed
 from the loop into the worker. The Protocols say what the controller needs of each, so a loop
 test can drive the ``Trainer`` with fakes, without Ray or processes.
@@ -9,8 +9,9 @@ test can drive the ``Trainer`` with fakes, without Ray or processes.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Sequence
 
 import torch
 
@@ -21,6 +22,7 @@ from rlmega.trainer.training_group import RankCalls, RankProcess
 from rlmega.workers.batching import SequenceBatch
 
 LogProbs = tuple[list[torch.Tensor], list[torch.Tensor]]  # per sequence: log-probs [R_i], entropies [R_i]
+TopK = tuple[list[torch.Tensor], list[torch.Tensor]]  # per sequence: ids [R_i, k] int64, log-probs [R_i, k] fp32
 
 
 class Engines(Protocol):
@@ -76,6 +78,14 @@ class RewardModel(Protocol):
     """What the reward manager needs of a reward model (``rlmega.rewards.reward_model.SequenceScorer``)."""
 
     def score(self, batch: SequenceBatch) -> torch.Tensor: ...
+    def shutdown(self) -> None: ...
+
+
+class Teacher(Protocol):
+    """One frozen teacher model (``TeacherGroup``), as ``Teachers`` routes sequences to it."""
+
+    def compute_logprobs(self, batch: SequenceBatch) -> LogProbs: ...
+    def compute_top_k(self, batch: SequenceBatch, k: int) -> TopK: ...
     def shutdown(self) -> None: ...
 
 
@@ -164,6 +174,78 @@ class RewardModelGroup:
 
     def shutdown(self) -> None:
         self._ranks.shutdown()
+
+
+class TeacherGroup:
+    """On-policy distillation's frozen teacher (an HF causal LM with the student's vocabulary) on ranks of its own
+    (``TrainingRanks.for_frozen_model``). Safe to call from several threads: calls are serialised, so every rank
+    receives the collective calls in the same order."""
+
+    def __init__(self, ranks: RankCalls):
+        self._ranks = ranks
+        self._lock = threading.Lock()
+
+    def compute_logprobs(self, batch: SequenceBatch) -> LogProbs:
+        """Per sequence, the teacher's log-probs and entropies ``[R_i]`` of the response tokens (under the batch's
+        temperature, as every role's)."""
+        with self._lock:
+            return self._ranks.first(RankProcess.compute_logprobs, "teacher", batch, what="teacher log-probs")
+
+    def compute_top_k(self, batch: SequenceBatch, k: int) -> TopK:
+        """Per sequence, the teacher's ``k`` most likely tokens at each response position: ids ``[R_i, k]``
+        (int64) and log-probs ``[R_i, k]`` (fp32), most likely first (``MegatronWorker.compute_top_k``)."""
+        with self._lock:
+            return self._ranks.first(RankProcess.compute_top_k, batch, k, what="teacher top-k")
+
+    def shutdown(self) -> None:
+        self._ranks.shutdown()
+
+
+class Teachers:
+    """The run's teachers: the main one, and one per data source of ``teacher.per_data_source`` (several teachers,
+    as NeMo-RL's multi-teacher on-policy distillation). Each sequence goes to the teacher of its example's
+    ``data_source`` (the main one where that source has none); the results come back in batch order:
+
+        logprobs, entropies = teachers.compute_logprobs(batch, data_sources)   # [R_i] each
+        ids, top_logprobs = teachers.compute_top_k(batch, k, data_sources)      # [R_i, k] each
+
+    ``data_sources[i]`` is sequence ``i``'s data source (``len(data_sources) == len(batch)``). The teachers are
+    on ranks of their own, so the calls to different teachers run at the same time. ``shutdown`` stops them all
+    (the trainer does, with the run)."""
+
+    def __init__(self, main: Teacher, per_data_source: Optional[dict[str, Teacher]] = None):
+        self.main = main
+        self.per_data_source = dict(per_data_source or {})
+
+    def compute_logprobs(self, batch: SequenceBatch, data_sources: Sequence[str]) -> LogProbs:
+        return self._routed(batch, data_sources, lambda teacher, part: teacher.compute_logprobs(part))
+
+    def compute_top_k(self, batch: SequenceBatch, k: int, data_sources: Sequence[str]) -> TopK:
+        return self._routed(batch, data_sources, lambda teacher, part: teacher.compute_top_k(part, k))
+
+    def shutdown(self) -> None:
+        for teacher in (self.main, *self.per_data_source.values()):
+            teacher.shutdown()
+
+    def _routed(self, batch: SequenceBatch, data_sources: Sequence[str], call) -> tuple[list, list]:
+        """``call(teacher, its sequences)`` per teacher, its two per-sequence lists put back in batch order."""
+        if len(data_sources) != len(batch):
+            raise ValueError(f"{len(data_sources)} data sources for a batch of {len(batch)} sequences")
+        shares: dict = {}
+        for index, source in enumerate(data_sources):
+            shares.setdefault(source if source in self.per_data_source else None, []).append(index)
+        if list(shares) == [None]:  # the main teacher alone: the batch as it is
+            return call(self.main, batch)
+        teacher_of = lambda source: self.main if source is None else self.per_data_source[source]  # noqa: E731
+        with ThreadPoolExecutor(max_workers=len(shares)) as pool:
+            answers = {source: pool.submit(call, teacher_of(source), batch.select(indices))
+                       for source, indices in shares.items()}
+            first, second = [None] * len(batch), [None] * len(batch)
+            for source, indices in shares.items():
+                part_first, part_second = answers[source].result()
+                for position, index in enumerate(indices):
+                    first[index], second[index] = part_first[position], part_second[position]
+        return first, second
 
 
 def role_groups(ranks: RankCalls, *, reference: bool, critic: bool) -> tuple[ActorGroup, Optional[ReferenceGroup],

@@ -261,7 +261,8 @@ def _engine(config: RLConfig) -> tuple[type, dict]:
     if rollout.backend == "vllm":
         from rlmega.rollout.vllm_engine import VLLMEngine, executor_backend
 
-        for name, value in config.sync.engine_arguments().items():  # the weight transfer the sync drives
+        # the weight transfer the sync drives, and the adapters' rank with sync.lora=adapters
+        for name, value in config.sync.engine_arguments(config.actor.lora.rank).items():
             arguments.setdefault(name, value)
         if rollout.gpus_of_one_engine > 1 and executor_backend(arguments.get("weight_transfer", "nccl")) is None:
             # vLLM 0.33 picks its Ray executor for tp x dp > 1 inside a placement group (vllm/config/parallel.py),

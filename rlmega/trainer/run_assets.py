@@ -1,5 +1,5 @@
 """The assets a run builds itself (``tiny_assets``: the quickstart's model and data, the vision-language ones, the
-tiny reward model), checked before they reach the run directory: ``validate_with_assets`` builds the missing ones
+tiny reward model and teacher), checked before they reach the run directory: ``validate_with_assets`` builds the missing ones
 in a temporary directory, runs every check of the config against them there, and moves them into
 ``run_dir/assets`` only once they all passed."""
 
@@ -89,7 +89,8 @@ def _move_in_new_assets(staged: Path, assets: Path) -> None:
 
 def prepare_run_assets(config) -> None:
     """The tiny assets ``config`` asks for under ``run_dir/assets``: the quickstart's (``tiny_assets``), or the
-    vision-language ones (``tiny_vision``), and the tiny reward model (``tiny_reward_model``)."""
+    vision-language ones (``tiny_vision``), the tiny reward model (``tiny_reward_model``) and the tiny teacher
+    (``tiny_teacher``, at ``teacher.path``)."""
     directory = Path(config.run_dir) / "assets"
     if config.tiny_vision:
         from rlmega.trainer.vlm_assets import prepare_tiny_vlm_assets
@@ -102,3 +103,9 @@ def prepare_run_assets(config) -> None:
 
         policy = config.model.tokenizer_path or config.model.path
         prepare_tiny_reward_model(config.reward_model.path, policy_dir=policy, train_files=config.data.files)
+    if config.tiny_teacher:
+        from rlmega.trainer.tiny_teacher import prepare_tiny_teacher
+
+        policy = config.model.tokenizer_path or config.model.path
+        prepare_tiny_teacher(config.teacher.path, policy_dir=policy, train_files=config.data.files,
+                             val_files=config.val_data.files)

@@ -31,7 +31,8 @@ class ScorerConfig:
     rewards: RewardManagerConfig
     """The reward manager's sections."""
     agent_scored_text: Optional[str]
-    """``agent.scored_text`` with the agent loop (``agent.enabled``), else None: plain responses."""
+    """``agent.scored_text`` with the agent loop (``agent.enabled``), ``gateway.scored_text`` with the gateway
+    (``gateway.enabled``), else None: plain responses."""
     overlong_buffer_length: int
     """``algorithm.overlong_buffer_length`` (DAPO; 0: no overlong shaping)."""
     overlong_penalty_factor: float

@@ -1,11 +1,11 @@
 """The training ranks as Ray actors: one process per rank, hosting that rank's actor, reference and
-critic workers (they share the rank's devices and process groups); a reward model's ranks are a group
-of their own, with their own world, layout and placement group.
+critic workers (they share the rank's devices and process groups); a reward model's ranks and each
+teacher's are a group of their own, with their own world, layout and placement group.
 
 ``RankProcess`` is what runs in each actor; ``TrainingRanks`` calls every rank with the same
 arguments (the workers are collective) and keeps rank 0's answer. The controller does not call it
 directly: it holds the typed role groups of ``rlmega.trainer.roles``, built on one ``TrainingRanks``
-(``TrainingRanks.for_policy``; ``TrainingRanks.for_reward_model`` for the reward model's group).
+(``TrainingRanks.for_policy``; ``TrainingRanks.for_frozen_model`` for a reward model's or a teacher's group).
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ class RankProcess:
         self.sliced_setup = SlicedSetup(self.layout, config.model.path, config.rollout.placement == "colocated",
                                         config.plan.gpus_per_node)
         self.engine_weight_dtype = config.rollout.weight_dtype  # fp8: the sync sends quantized weights
+        self.base_model = config.model.path  # the engines' start checkpoint: a LoRA actor's adapters apply to it
         roles = {"actor": config.actor}
         if config.builds_reference_model:  # a LoRA actor is its own reference, adapters off
             roles["ref"] = config.ref
@@ -87,17 +88,19 @@ class RankProcess:
             self.workers[name] = MegatronWorker(self.spec, self.layout, worker_config, hf_dir=config.model.path,
                                                 total_steps=total_steps)
 
-    def setup_reward_model(self, master: tuple[str, int], config: RLConfig) -> None:
-        """This rank of the reward model's own world: its layout, and the reward worker loaded from
-        ``reward_model.path`` (a sequence-classification checkpoint) through the bridge."""
+    def setup_frozen_model(self, master: tuple[str, int], config: RLConfig, settings) -> None:
+        """This rank of a frozen model's own world (``settings``: ``reward_model`` or a teacher of ``teacher``):
+        its layout, and the worker of ``settings.worker_config()``'s role (reward, teacher) loaded from
+        ``settings.path`` through the bridge. No optimizer and no gradient buffers; with ``settings.offload``, the
+        weights rest in host memory between calls."""
         from rlmega.models import model_spec_from_hf
         from rlmega.workers.worker import MegatronWorker
 
-        reward = config.reward_model
-        self._join(master, reward.layout, reward.cpus_per_rank, config)
-        self.spec = model_spec_from_hf(reward.path)
+        worker_config = settings.worker_config()
+        self._join(master, settings.layout, settings.cpus_per_rank, config)
+        self.spec = model_spec_from_hf(settings.path)
         self.reference_warm_started = False
-        self.workers["reward"] = MegatronWorker(self.spec, self.layout, reward.worker_config(), hf_dir=reward.path)
+        self.workers[worker_config.role] = MegatronWorker(self.spec, self.layout, worker_config, hf_dir=settings.path)
 
     def _join(self, master: tuple[str, int], layout, cpus: float, config: RLConfig) -> None:
         """Join this group's process group at ``master`` and build Megatron's groups for ``layout``."""
@@ -137,6 +140,9 @@ class RankProcess:
 
     def compute_scores(self, batch: SequenceBatch):
         return self._rank0(self.workers["reward"].compute_scores(batch))
+
+    def compute_top_k(self, batch: SequenceBatch, k: int):
+        return self._rank0(self.workers["teacher"].compute_top_k(batch, k))
 
     def update(self, role: str, batch: SequenceBatch) -> Optional[dict]:
         return self._rank0(self.workers[role].update(batch))
@@ -200,10 +206,14 @@ class RankProcess:
 
     def _weight_sync_into(self, engines: list):
         from rlmega.sync import WeightSync
+        from rlmega.sync.lora_adapters import AdapterSource
 
-        return WeightSync.build(self.sync_config, self.workers["actor"].chunks, self.spec,
+        actor = self.workers["actor"]
+        adapters = AdapterSource(actor.config.lora, str(self.base_model), lambda: actor.base_folded) \
+            if actor.config.lora.enabled else None
+        return WeightSync.build(self.sync_config, actor.chunks, self.spec,
                                 engines if self.rank == 0 else None, atol=self.post_sync_atol, sliced=self.sliced_setup,
-                                weight_dtype=self.engine_weight_dtype)
+                                weight_dtype=self.engine_weight_dtype, adapters=adapters)
 
     # ---- the job's state ------------------------------------------------------------------
 
@@ -277,9 +287,9 @@ class RankResources:
                    "training rank")
 
     @classmethod
-    def of_reward_model(cls, config: RLConfig) -> RankResources:
-        reward = config.reward_model
-        return cls(reward.layout.world_size, reward.cpus_per_rank, reward.gpus_per_rank, "reward-model rank")
+    def of_frozen_model(cls, settings, name: str) -> RankResources:
+        """A frozen model's ranks (``reward_model``, a teacher): ``settings.layout.world_size`` of them."""
+        return cls(settings.layout.world_size, settings.cpus_per_rank, settings.gpus_per_rank, name)
 
     def bundles(self) -> list[dict]:
         """One placement-group bundle per rank."""
@@ -367,10 +377,11 @@ class TrainingRanks(RankCalls):
                    lambda rank, master: rank.setup.remote(master, config, total_steps), config.run_dir, placed)
 
     @classmethod
-    def for_reward_model(cls, config: RLConfig, placement_group) -> TrainingRanks:
-        """The reward model's ranks (``reward_model.layout``), a world of their own."""
-        return cls(RankResources.of_reward_model(config), placement_group, config.cluster.timeout_s,
-                   lambda rank, master: rank.setup_reward_model.remote(master, config), config.run_dir)
+    def for_frozen_model(cls, config: RLConfig, settings, name: str, placement_group) -> TrainingRanks:
+        """A frozen model's ranks (``settings``: ``reward_model`` or a teacher; ``settings.layout``), a world of their
+        own; ``name`` calls a rank in errors ("reward-model rank 1")."""
+        return cls(RankResources.of_frozen_model(settings, name), placement_group, config.cluster.timeout_s,
+                   lambda rank, master: rank.setup_frozen_model.remote(master, config, settings), config.run_dir)
 
     def _on_ranks(self, call: Callable[[Any], Any], what: str, timeout_s: Optional[float] = None) -> list:
         return wait_all([call(rank) for rank in self.ranks], self.names, timeout_s or self.timeout_s, what)

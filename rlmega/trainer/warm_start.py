@@ -1,5 +1,6 @@
 """The supervised warm-start (``trainer.sft_steps``): the training prompts with their ground-truth answers, or
-with ``agent.demonstration``'s turns run through the agent loop, trained on before RL (a tiny model's start)."""
+with demonstrated turns (``agent.demonstration`` run through the agent loop, ``gateway.demonstration`` through the
+agent harness and the gateway), trained on before RL (a tiny model's start)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,10 @@ class WarmStartConfig:
     seed: int
     """``trainer.seed``; the warm-start's sampler draws its own order from it."""
     demonstration: Optional[str]
-    """``agent.demonstration`` with the agent loop (``agent.enabled``), else None: answers are the ground truths."""
+    """``agent.demonstration`` with the agent loop (``agent.enabled``), ``gateway.demonstration`` with the gateway
+    (``gateway.enabled``), else None: answers are the ground truths."""
+    demonstration_setting: str = "agent.demonstration"
+    """The setting that names ``demonstration`` (for errors)."""
 
 
 class WarmStart:
@@ -60,15 +64,16 @@ class WarmStart:
             yield SequenceBatch(tokens, prompts, images=images if any(item is not None for item in images) else None)
 
     def _demonstrated(self, records: Sequence[PromptRecord], demonstration) -> SequenceBatch:
-        """The agent's trajectories with ``agent.demonstration``'s turns, masked to train on those turns only."""
+        """The agent loop's (or the harness's) trajectories with the demonstrated turns, masked to train on those
+        turns only."""
         from rlmega.agent.loop import example_of
 
         turns = []
         for record in records:
             texts = demonstration(example_of(record))
             if not isinstance(texts, (list, tuple)) or not all(isinstance(text, str) for text in texts):
-                raise UserError(f"agent.demonstration {self.config.demonstration}: returned {texts!r} for "
-                                f"row {record.index}; it must return a list of assistant turn texts")
+                raise UserError(f"{self.config.demonstration_setting} {self.config.demonstration}: returned "
+                                f"{texts!r} for row {record.index}; it must return a list of assistant turn texts")
             turns.append(texts)
         trajectories = self.generator.agent.demonstrate(records, turns)
         return SequenceBatch([torch.tensor(t.prompt_token_ids + t.response_token_ids) for t in trajectories],

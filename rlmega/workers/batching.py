@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from rlmega.algos.distill import DistillConfig
 from rlmega.algos.rollout_correction import RolloutCorrectionConfig
 from rlmega.data.schema import ImageInputs
 from rlmega.models.attention_mask import block_causal_mask
@@ -32,13 +33,15 @@ from rlmega.workers.packed import portable
 
 @dataclasses.dataclass
 class SequenceBatch:
-    """Token sequences and per-response-token data (``fields[name][i]`` has one entry per response token)."""
+    """Token sequences and per-response-token data (``fields[name][i]`` has one entry, or one row, per response
+    token)."""
 
     tokens: list[torch.Tensor]
     """``[L_i]`` int64 token ids: the prompt followed by the response."""
     prompt_lengths: list[int]
     fields: dict[str, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
-    """e.g. ``old_logp``, ``ref_logp``, ``advantages``, ``returns``, ``values``: ``[L_i - prompt_i]`` each."""
+    """e.g. ``old_logp``, ``ref_logp``, ``advantages``, ``returns``, ``values``: ``[L_i - prompt_i]`` each;
+    ``teacher_topk_ids`` / ``teacher_topk_logp``: ``[L_i - prompt_i, k]``."""
     temperature: float = 1.0
     """The sampling temperature of the responses: every log-prob and entropy of this batch is taken
     under ``softmax(logits / temperature)``, the distribution the engine sampled from (0: greedy, as 1)."""
@@ -50,6 +53,9 @@ class SequenceBatch:
     rollout_correction: Optional[RolloutCorrectionConfig] = None
     """Bypass mode (``algorithm.rollout_correction.bypass_mode``): the correction the policy loss applies on
     each micro-batch, the current policy against ``old_logp`` (there the engine's log-probs); None: none."""
+    distill: Optional[DistillConfig] = None
+    """On-policy distillation's top-k loss term (``algorithm.distill`` with ``estimator: top_k``), which the policy
+    loss adds from fields ``teacher_topk_ids`` and ``teacher_topk_logp``; None: none."""
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -76,17 +82,17 @@ class SequenceBatch:
             if len(values) != len(self.tokens):
                 raise ValueError(f"field {name!r} has {len(values)} entries for {len(self.tokens)} sequences")
             for index, value in enumerate(values):
-                if value.shape != (response_lengths[index],):
+                if value.shape[:1] != (response_lengths[index],):
                     raise ValueError(
                         f"field {name!r} of sequence {index} has shape {list(value.shape)}, "
-                        f"expected [{response_lengths[index]}] (one value per response token)"
+                        f"expected [{response_lengths[index]}, ...] (one value or row per response token)"
                     )
 
     def __reduce__(self):
         # Sent to every rank on every step: each list crosses as one tensor (rlmega.workers.packed).
         return (_rebuild_batch, (portable(self.tokens), self.prompt_lengths,
                                  {name: portable(values) for name, values in self.fields.items()}, self.temperature,
-                                 portable(self.routing), self.images, self.rollout_correction))
+                                 portable(self.routing), self.images, self.rollout_correction, self.distill))
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -105,7 +111,7 @@ class SequenceBatch:
             [self.tokens[i] for i in indices], [self.prompt_lengths[i] for i in indices],
             {name: [values[i] for i in indices] for name, values in self.fields.items()}, self.temperature,
             None if self.routing is None else [self.routing[i] for i in indices],
-            None if self.images is None else [self.images[i] for i in indices], self.rollout_correction,
+            None if self.images is None else [self.images[i] for i in indices], self.rollout_correction, self.distill,
         )
 
     def with_fields(self, **fields: list[torch.Tensor]) -> "SequenceBatch":
@@ -117,8 +123,9 @@ class SequenceBatch:
         return self.temperature if self.temperature > 0 else 1.0
 
 
-def _rebuild_batch(tokens, prompt_lengths, fields, temperature, routing, images, rollout_correction) -> SequenceBatch:
-    return SequenceBatch(tokens, prompt_lengths, fields, temperature, routing, images, rollout_correction)
+def _rebuild_batch(tokens, prompt_lengths, fields, temperature, routing, images, rollout_correction,
+                   distill) -> SequenceBatch:
+    return SequenceBatch(tokens, prompt_lengths, fields, temperature, routing, images, rollout_correction, distill)
 
 
 def reading_at(batch: SequenceBatch, positions: list[int]) -> SequenceBatch:

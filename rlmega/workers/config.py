@@ -135,7 +135,8 @@ class CriticLossConfig:
 class WorkerConfig:
     role: str = "actor"
     """actor: log-probs and policy updates; ref: log-probs only; critic: values and value updates;
-    reward: a sequence-classification reward model's scores only."""
+    reward: a sequence-classification reward model's scores only; teacher: a frozen teacher's log-probs and top-k
+    tokens (on-policy distillation)."""
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     batching: BatchingConfig = dataclasses.field(default_factory=BatchingConfig)
     policy_loss: PolicyLossConfig = dataclasses.field(default_factory=PolicyLossConfig)

@@ -19,6 +19,7 @@ to the full one (Megatron's DDP sums them over the data- and context-parallel ra
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -89,8 +90,22 @@ def split_micro_batch(micro_batch: MicroBatch, cp: int, rank: int) -> MicroBatch
     )
 
 
+def local_response_indices(micro_batch: MicroBatch) -> Optional[torch.Tensor]:
+    """``[n]``: which of the micro-batch's response tokens (in its order) this CP rank holds, in the rank's order;
+    None without context parallelism (the rank holds them all). Per-token inputs of a whole micro-batch, indexed
+    by this, line up with the rank's response rows."""
+    share = micro_batch.context_share
+    if share is None:
+        return None
+    order = torch.empty_like(share.restore)
+    order[share.restore] = torch.arange(share.restore.numel())
+    start = sum(share.counts[:share.rank])
+    return order[start:start + share.counts[share.rank]]
+
+
 def gather_response_values(local: torch.Tensor, micro_batch: MicroBatch) -> torch.Tensor:
-    """``[N]`` per-token values of the whole micro-batch from this rank's ``[n]``, on every CP rank.
+    """``[N]`` per-token values of the whole micro-batch from this rank's ``[n]`` (or ``[N, c]`` from ``[n, c]``:
+    several values per token), on every CP rank.
 
     Differentiable with respect to ``local`` only: each rank back-propagates the (identical) loss
     into its own tokens. Collective over the context-parallel group.
@@ -101,8 +116,8 @@ def gather_response_values(local: torch.Tensor, micro_batch: MicroBatch) -> torc
     from megatron.core import parallel_state as ps
 
     width = max(share.counts)
-    padded = local.new_zeros(width)
-    padded[:local.numel()] = local.detach()
+    padded = local.new_zeros((width, *local.shape[1:]))
+    padded[:local.shape[0]] = local.detach()
     parts = [torch.empty_like(padded) for _ in share.counts]
     dist.all_gather(parts, padded, group=ps.get_context_parallel_group())
     parts = [part[:count] for part, count in zip(parts, share.counts)]

@@ -13,14 +13,15 @@ from __future__ import annotations
 import torch
 
 from rlmega.algos import (LossDenominators, PolicyLossContext, RatioLossConfig, clipped_value_loss,
-                          correct_against_current_policy, entropy_bonus, kl_loss)
+                          correct_against_current_policy, entropy_bonus, kl_loss, top_k_distill_loss)
 from rlmega.algos._utils import masked_mean
 from rlmega.models.spec import padded_vocab_size
 from rlmega.workers.batching import MicroBatch, SequenceBatch, padded_field, padding_mask, split_padded
 from rlmega.workers.config import CriticLossConfig, PolicyLossConfig
-from rlmega.workers.context_parallel import gather_response_values
+from rlmega.workers.context_parallel import gather_response_values, local_response_indices
 from rlmega.workers.logprobs import vocab_parallel_logprobs
 from rlmega.workers.passes import Head, HeadResult
+from rlmega.workers.target_logprobs import vocab_parallel_target_logprobs
 
 
 def _response_rows(micro_batch: MicroBatch, output: torch.Tensor) -> torch.Tensor:
@@ -32,21 +33,58 @@ def _response_rows(micro_batch: MicroBatch, output: torch.Tensor) -> torch.Tenso
     return flat.index_select(0, micro_batch.response_positions.to(flat.device))
 
 
+def _scaled_rows(micro_batch: MicroBatch, output: torch.Tensor, logit_scale: float) -> torch.Tensor:
+    """``[N_local, V_local]`` response rows of the logits divided by ``logit_scale`` (the sampling temperature)."""
+    rows = _response_rows(micro_batch, output)
+    return rows / logit_scale if logit_scale != 1.0 else rows
+
+
+def _vocab_slice(vocab_size: int) -> dict:
+    """This rank's slice of the vocabulary, as the vocabulary-parallel functions take it."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    return dict(vocab_size=vocab_size, group=ps.get_tensor_model_parallel_group(),
+                vocab_start=ps.get_tensor_model_parallel_rank() * (padded_vocab_size(vocab_size, tp) // tp))
+
+
+def _row_logprobs(micro_batch: MicroBatch, rows: torch.Tensor, vocab_size: int, chunk_tokens: int):
+    """``[N]`` log-probs and entropies of the micro-batch's response tokens from its ``_scaled_rows``, gathered over
+    CP ranks."""
+    logp, entropy = vocab_parallel_logprobs(  # the output may hold this rank's real columns only (lm_head)
+        rows, micro_batch.response_targets.to(rows.device), chunk_tokens=chunk_tokens, with_entropy=True,
+        **_vocab_slice(vocab_size),
+    )
+    return gather_response_values(logp, micro_batch), gather_response_values(entropy, micro_batch)
+
+
 def _logprobs(micro_batch: MicroBatch, output: torch.Tensor, vocab_size: int, chunk_tokens: int, logit_scale: float = 1.0):
     """``[N]`` log-probs and entropies of the micro-batch's response tokens under
     ``softmax(logits / logit_scale)`` (the sampling temperature), gathered over CP ranks."""
-    from megatron.core import parallel_state as ps
+    return _row_logprobs(micro_batch, _scaled_rows(micro_batch, output, logit_scale), vocab_size, chunk_tokens)
 
-    rows = _response_rows(micro_batch, output)
-    if logit_scale != 1.0:
-        rows = rows / logit_scale
-    tp = ps.get_tensor_model_parallel_world_size()
-    logp, entropy = vocab_parallel_logprobs(  # the output may hold this rank's real columns only (lm_head)
-        rows, micro_batch.response_targets.to(rows.device), vocab_size=vocab_size,
-        vocab_start=ps.get_tensor_model_parallel_rank() * (padded_vocab_size(vocab_size, tp) // tp),
-        group=ps.get_tensor_model_parallel_group(), chunk_tokens=chunk_tokens, with_entropy=True,
-    )
-    return gather_response_values(logp, micro_batch), gather_response_values(entropy, micro_batch)
+
+def _field_rows(batch: SequenceBatch, name: str, micro_batch: MicroBatch) -> torch.Tensor:
+    """``[N, ...]``: a field's rows for the micro-batch's response tokens, in its order."""
+    values = batch.fields[name]
+    return torch.cat([values[i] for i in micro_batch.indices]) if micro_batch.indices else values[0][:0]
+
+
+def _top_k_distill(batch: SequenceBatch, micro_batch: MicroBatch, rows: torch.Tensor, mask: torch.Tensor,
+                   vocab_size: int, chunk_tokens: int, aggregation: dict):
+    """On-policy distillation's top-k loss term (``batch.distill``) and its metrics: the student's log-probs at the
+    teacher's top-k ids of every response token (this rank's tokens, then gathered over CP ranks)."""
+    ids = _field_rows(batch, "teacher_topk_ids", micro_batch)
+    local = local_response_indices(micro_batch)
+    student = gather_response_values(vocab_parallel_target_logprobs(
+        rows, (ids if local is None else ids[local]).to(rows.device), chunk_tokens=chunk_tokens,
+        **_vocab_slice(vocab_size)), micro_batch)
+    teacher = _field_rows(batch, "teacher_topk_logp", micro_batch).to(student.device)
+    padded = padding_mask(micro_batch.response_lengths).to(student.device)
+    student_rows = student.new_zeros(padded.shape + student.shape[1:]).masked_scatter(padded.unsqueeze(-1), student)
+    teacher_rows = teacher.new_zeros(padded.shape + teacher.shape[1:]).masked_scatter(padded.unsqueeze(-1), teacher)
+    term, metrics = top_k_distill_loss(student_rows, teacher_rows, mask, coef=batch.distill.coef, **aggregation)
+    return term, {f"distill/{name}": value for name, value in metrics.items()}
 
 
 def _values(micro_batch: MicroBatch, output: torch.Tensor) -> torch.Tensor:
@@ -111,7 +149,10 @@ def policy_head(
     (bypass mode) each micro-batch's policy loss is corrected for the current policy against
     ``old_logp``, the engine's log-probs (``correct_against_current_policy``): its rejection narrows the
     policy loss's mask (the entropy and KL terms and the denominators keep the batch's, as verl's do), its
-    IS weights reach a loss without a ratio only, and its metrics join the head's."""
+    IS weights reach a loss without a ratio only, and its metrics join the head's. With ``batch.distill``
+    (on-policy distillation's top-k estimator) the loss adds ``coef`` times the reverse KL to the teacher over its
+    top-k ids (fields ``teacher_topk_ids``, ``teacher_topk_logp``; ``rlmega.algos.distill.top_k_distill_loss``),
+    aggregated as the policy loss, on the batch's mask."""
     loss_config = config.loss_config()
     policy_loss = loss_config.build()
     bypass = batch.rollout_correction
@@ -119,7 +160,8 @@ def policy_head(
     aggregation = dict(loss_agg_mode=config.loss_agg_mode, global_denominators=denominators, norm_horizon=config.norm_horizon)
 
     def head(micro_batch: MicroBatch, output: torch.Tensor) -> HeadResult:
-        logp_flat, entropy_flat = _logprobs(micro_batch, output, vocab_size, chunk_tokens, batch.logit_scale)
+        rows = _scaled_rows(micro_batch, output, batch.logit_scale)
+        logp_flat, entropy_flat = _row_logprobs(micro_batch, rows, vocab_size, chunk_tokens)
         device = logp_flat.device
         logp, entropy = split_padded(logp_flat, micro_batch.response_lengths), split_padded(entropy_flat, micro_batch.response_lengths)
         mask = _mask(batch, micro_batch, device)
@@ -152,6 +194,12 @@ def policy_head(
             loss = loss + kl_term
             metrics.update(kl_metrics)
             summed["kl_loss_term"] = kl_term.detach()
+        if batch.distill is not None:
+            distill_term, distill_metrics = _top_k_distill(batch, micro_batch, rows, mask, vocab_size, chunk_tokens,
+                                                           aggregation)
+            loss = loss + distill_term
+            metrics.update(distill_metrics)
+            summed["distill/top_k_loss_term"] = distill_term.detach()
         summed["loss"] = loss.detach()
         outputs = {"logprobs": logp_flat.detach(), "entropy": entropy_flat.detach()} if on_policy else {}
         return HeadResult(loss=(loss + _attached(output)) * backward_scale, metrics=metrics, summed=summed,

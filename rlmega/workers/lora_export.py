@@ -4,7 +4,9 @@
 Megatron fuses q, k and v into ``linear_qkv`` and gate and up into ``linear_fc1``; one adapter there is, for each HF
 projection, the same ``A`` and that projection's rows of ``B`` (split as the bridge splits the fused weight's rows).
 PEFT's names: ``base_model.model.<HF module>.lora_A.weight`` ``[r, in]`` and ``.lora_B.weight`` ``[out, r]`` (peft's
-``get_peft_model_state_dict``, which drops the adapter's name from the keys).
+``get_peft_model_state_dict``, which drops the adapter's name from the keys). An expert's adapter is named per expert,
+as the checkpoint format names the experts (``mlp.experts.{e}.gate_proj``): PEFT's serialized format, which peft
+(0.21) converts onto transformers 5's fused experts when it loads the adapter.
 """
 
 from __future__ import annotations
@@ -37,15 +39,23 @@ def _canonical_weight(name: str) -> str:
     return f"decoder.layers.{int(number) - 1}.{rest}.weight"
 
 
+def _first_replica(adapter: lora.Adapter) -> bool:
+    """Whether this rank's copy of ``adapter`` is its first data-parallel replica's (an expert's: of the
+    expert-data-parallel group, whose ranks hold the same experts)."""
+    from megatron.core import parallel_state as ps
+
+    if adapter.expert:
+        return ps.get_expert_data_parallel_rank() == 0
+    return ps.get_data_parallel_rank(with_context_parallel=True) == 0
+
+
 @torch.no_grad()
 def peft_tensors(chunks: list, spec: ModelSpec) -> Optional[dict[str, torch.Tensor]]:
     """Every adapter under PEFT's names, whole, on global rank 0 (None elsewhere). Collective over all ranks."""
-    from megatron.core import parallel_state as ps
-
     book, geometry = RuleBook(spec.architecture), geometry_of(spec)
     mine: dict[str, torch.Tensor] = {}
-    if ps.get_data_parallel_rank(with_context_parallel=True) == 0:
-        for name, adapter in lora.adapters(chunks):
+    for name, adapter in lora.adapters(chunks):
+        if _first_replica(adapter):
             tp = adapter.tp_group.size()
             a = _whole(adapter.lora_a, 1, adapter.tp_group) if adapter.row_parallel else adapter.lora_a.detach()
             b = adapter.lora_b.detach() if adapter.row_parallel else _whole(adapter.lora_b, 0, adapter.tp_group)
@@ -63,12 +73,20 @@ def peft_tensors(chunks: list, spec: ModelSpec) -> Optional[dict[str, torch.Tens
     return {name: tensor for part in everyone for name, tensor in part.items()}
 
 
+def peft_adapter(chunks: list, spec: ModelSpec, config: lora.LoraConfig,
+                 base_model: str) -> Optional[tuple[dict[str, torch.Tensor], dict]]:
+    """The PEFT adapter: its tensors (``peft_tensors``) and ``adapter_config.json`` (``peft_config``), on global rank 0
+    (None elsewhere). What the export writes and what a weight sync with ``sync.lora=adapters`` sends. Collective."""
+    tensors = peft_tensors(chunks, spec)
+    return None if tensors is None else (tensors, peft_config(config, tensors, base_model))
+
+
 def peft_config(config: lora.LoraConfig, tensors: dict[str, torch.Tensor], base_model: str) -> dict:
-    """``adapter_config.json`` for ``tensors``: the HF module names they adapt, rank, alpha, no dropout, no bias."""
+    """``adapter_config.json`` for ``tensors``: the HF module names they adapt, rank, alpha, dropout, no bias."""
     targets = sorted({name.removesuffix(".lora_A.weight").rsplit(".", 1)[-1] for name in tensors
                       if name.endswith(".lora_A.weight")})
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-        "r": config.rank, "lora_alpha": config.alpha, "lora_dropout": 0.0, "bias": "none",
+        "r": config.rank, "lora_alpha": config.alpha, "lora_dropout": config.dropout, "bias": "none",
         "target_modules": targets, "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False,
     }

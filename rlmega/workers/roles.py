@@ -26,7 +26,8 @@ class Output(enum.Enum):
 
 # Why a worker refuses a batch method its role does not serve ({role}: the worker's role).
 REFUSALS = {
-    "compute_logprobs": "compute_logprobs needs an actor or ref worker; this one is the {role}",
+    "compute_logprobs": "compute_logprobs needs an actor, ref or teacher worker; this one is the {role}",
+    "compute_top_k": "compute_top_k needs a teacher worker; this one is the {role}",
     "compute_values": "compute_values needs a critic worker; this one is the {role}",
     "compute_scores": "compute_scores needs a reward worker; this one is the {role}",
     "update": "the {role} worker does not train; use role actor or critic",
@@ -76,4 +77,6 @@ ROLES: dict[str, Role] = {
     "ref": Role("ref", Output.LOGITS, frozenset({"compute_logprobs"})),
     "critic": Role("critic", Output.VALUES, frozenset({"compute_values", "update"}), loss_metric="vf_loss"),
     "reward": Role("reward", Output.SCORES, frozenset({"compute_scores"})),
+    # On-policy distillation's frozen teacher: its log-probs of the student's tokens and its most likely tokens.
+    "teacher": Role("teacher", Output.LOGITS, frozenset({"compute_logprobs", "compute_top_k"})),
 }

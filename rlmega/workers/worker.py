@@ -1,4 +1,4 @@
-"""The Megatron worker: one class for the actor, the reference, the critic and the reward model,
+"""The Megatron worker: one class for the actor, the reference, the critic, the reward model and a teacher,
 chosen by config (``WorkerConfig.role`` names a ``rlmega.workers.roles.Role``, which says what differs).
 
 Every rank of a layout holds one ``MegatronWorker`` and calls the same methods with the same
@@ -41,6 +41,7 @@ from rlmega.workers.optimizer_state import clear_moments
 from rlmega.workers.passes import combine_metrics, run_schedule, scatter_outputs
 from rlmega.workers.perf import PerfCounter
 from rlmega.workers.roles import ROLES, Output
+from rlmega.workers.top_k import scatter_top_k, top_k_head
 from rlmega.workers.routing import RoutingReplay, routing_of
 
 
@@ -101,6 +102,17 @@ class MegatronWorker:
         lengths = batch.response_lengths
         return (scatter_outputs(results, micro_batches, "logprobs", lengths),
                 scatter_outputs(results, micro_batches, "entropy", lengths))
+
+    def compute_top_k(self, batch: SequenceBatch, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per sequence, the ``k`` most likely tokens at each of its response positions under the batch's sampling
+        temperature: ids ``[R_i, k]`` (int64) and log-probs ``[R_i, k]`` (fp32), most likely first
+        (``rlmega.workers.top_k``: from the vocabulary-parallel logits, never gathered)."""
+        self.role.require("compute_top_k")
+        micro_batches = self._micro_batches(batch)
+        head = top_k_head(self.spec.vocab_size, k, self.config.batching.logprob_chunk_tokens, batch.logit_scale)
+        with self._on_device(), torch.no_grad():
+            results = run_schedule(self.chunks, micro_batches, head, forward_only=True)
+        return scatter_top_k(results, micro_batches, batch.response_lengths, k)
 
     def _routing(self, micro_batches: list[MicroBatch], *, record: bool = False) -> Optional[RoutingReplay]:
         """What records or replays the MoE routing of a pass (None: the routers choose)."""

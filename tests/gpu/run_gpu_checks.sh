@@ -113,6 +113,7 @@ engine_checks() {  # the checks of one extra's environment
             "host-memcpy|tests/gpu/test_host_memcpy.py::test_host_memcpy_speed" ;;
         gpu) echo \
             "te-thd-partition|tests/gpu/test_context_parallel_te.py" \
+            "te-lora-vs-merged-hf|tests/gpu/test_lora_te_gpu.py" \
             "te-worker-packed-equals-padded|tests/gpu/test_worker_gpu.py::test_packed_update_equals_padded_on_gpu" \
             "te-worker-response-row-logits|tests/gpu/test_worker_gpu.py::test_response_row_logits_update_equals_the_full_output_layer_on_gpu" \
             "sliced-refit-vs-plan|tests/gpu/test_sliced_refit.py::test_a_sliced_refit_matches_its_plan_on_gpus" ;;

@@ -69,6 +69,11 @@ TARGETS = {
         "vllm/distributed/weight_transfer/sharded_rdt_engine.py": {
             "ShardedRDTWeightTransferInitInfo": "fields", "ShardedRDTWeightTransferUpdateInfo": "fields"},
         "vllm/engine/arg_utils.py": {"EngineArgs": "fields"},
+        # rlmega.rollout.vllm_lora: adapters loaded from a PEFT directory, and every request naming the current one.
+        "vllm/lora/request.py": {"LoRARequest": "fields"},
+        "vllm/v1/engine/llm_engine.py": {
+            "LLMEngine.add_lora": "signature", "LLMEngine.remove_lora": "signature",
+            "LLMEngine.list_loras": "signature"},
     },
     "sglang": {
         "sglang/srt/entrypoints/engine.py": {
@@ -89,7 +94,8 @@ FIELD_UNIONS = {"sglang": {"ServerArgs": "sglang/srt/arg_groups/fields/"}}
 
 # Module-level list / tuple constants the adapters or the GPU fixtures rely on.
 CONSTANTS = {
-    "vllm": {"vllm/config/model.py": ["LogprobsMode"], "vllm/v1/engine/__init__.py": ["PauseMode"]},
+    "vllm": {"vllm/config/model.py": ["LogprobsMode"], "vllm/v1/engine/__init__.py": ["PauseMode"],
+             "vllm/config/lora.py": ["MaxLoRARanks"]},
     "sglang": {"sglang/srt/arg_groups/choices.py": ["DETERMINISTIC_ATTENTION_BACKEND_CHOICES"]},
 }
 

@@ -9,6 +9,7 @@ import pytest
 from rlmega.config import CONFIG_DIR, ConfigError, RLConfig, load_config, validate
 from rlmega.trainer.assets import prepare_tiny_assets
 from rlmega.trainer.tiny_reward_model import prepare_tiny_reward_model
+from rlmega.trainer.tiny_teacher import prepare_tiny_teacher
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,6 +21,9 @@ def run_dir(tmp_path_factory):
     # configs/tiny_cpu_rm.yaml's reward model (a few steps: only its checkpoint is checked here)
     prepare_tiny_reward_model(run_dir / "assets" / "reward_model", policy_dir=paths["model"],
                               train_files=[paths["train"]], steps=4, prompts_per_step=4)
+    # configs/tiny_cpu_opd.yaml's teacher (likewise a few steps)
+    prepare_tiny_teacher(run_dir / "assets" / "teacher", policy_dir=paths["model"], train_files=[paths["train"]],
+                         steps=4, batch_size=4)
     return run_dir
 
 

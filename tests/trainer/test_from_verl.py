@@ -269,9 +269,11 @@ def test_lora_on_the_actor_crosses_over_with_megatron_names(tmp_path):
     with pytest.raises(VerlTranslationError, match=r"target_modules \['lm_head'\]: rlmega adapts linear_qkv"):
         translate_verl_config(path, ["actor_rollout_ref.model.lora_rank=8",
                                      "actor_rollout_ref.model.target_modules=[q_proj,lm_head]"])
-    config = load(tmp_path, translate_verl_config(path, ["actor_rollout_ref.model.lora.rank=4"]))
+    config = load(tmp_path, translate_verl_config(path, ["actor_rollout_ref.model.lora.rank=4",
+                                                         "actor_rollout_ref.model.lora.dropout=0.1"]))
     assert config.actor.lora.rank == 4 and config.actor.lora.target_modules == [
         "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    assert config.actor.lora.dropout == 0.1
 
 
 def test_fp8_rollout_crosses_over_and_other_quantizations_are_refused(tmp_path):

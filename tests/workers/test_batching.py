@@ -71,7 +71,8 @@ def test_padded_field_round_trip():
 
 @pytest.mark.parametrize("bad, message", [
     (dict(prompt_lengths=[5]), "at least one response token"),
-    (dict(fields={"advantages": [torch.zeros(2)]}), "expected \\[3\\]"),
+    (dict(fields={"advantages": [torch.zeros(2)]}), "expected \\[3, \\.\\.\\.\\]"),
+    (dict(fields={"teacher_topk_ids": [torch.zeros(2, 4)]}), "has shape \\[2, 4\\], expected \\[3, \\.\\.\\.\\]"),
     (dict(prompt_lengths=[2, 2]), "1 sequences but 2 prompt lengths"),
 ])
 def test_sequence_batch_rejects_bad_input(bad, message):
@@ -79,6 +80,11 @@ def test_sequence_batch_rejects_bad_input(bad, message):
     arguments.update(bad)
     with pytest.raises(ValueError, match=message):
         SequenceBatch(**arguments)
+
+
+def test_a_field_may_hold_a_row_per_response_token():
+    batch = SequenceBatch([torch.arange(5)], [2], {"teacher_topk_ids": [torch.zeros(3, 4, dtype=torch.long)]})
+    assert batch.select([0]).fields["teacher_topk_ids"][0].shape == (3, 4)
 
 
 def test_concatenated_ranges_equal_one_arange_per_range():

@@ -167,3 +167,19 @@ def test_attention_dropout_uses_megatron_rng_and_the_explicit_path_equals_the_fu
     torch.testing.assert_close(explicit, fused, atol=ATOL, rtol=0)
     assert torch.equal(first, second)
     assert (first - fused).abs().max() > 1e-2  # dropout really applied
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("cp", [2, 3])
+def test_local_response_indices_pick_each_ranks_tokens_from_whole_micro_batch_inputs(packing, cp):
+    from rlmega.workers.context_parallel import local_response_indices
+
+    batch = _batch()
+    whole = build_micro_batch(batch, [0, 1, 2, 3], packing=packing, pad_to_multiple=2 * cp)
+    assert local_response_indices(whole) is None
+    for rank in range(cp):
+        share = split_micro_batch(whole, cp, rank)
+        local = local_response_indices(share)
+        # Per-token rows of the whole micro-batch (here its targets), indexed by them, are the rank's own.
+        assert torch.equal(whole.response_targets[local], share.response_targets)
+        assert local.numel() == share.context_share.counts[rank]

@@ -15,7 +15,8 @@ from rlmega.workers.roles import REFUSALS, ROLES, Output
 from rlmega.workers.worker import MegatronWorker
 
 TIMEOUT_S = 240
-BATCH_METHODS = ("compute_logprobs", "compute_values", "compute_scores", "update", "update_on_policy", "sft_step")
+BATCH_METHODS = ("compute_logprobs", "compute_values", "compute_scores", "compute_top_k", "update", "update_on_policy",
+                 "sft_step")
 
 
 def test_each_role_says_what_it_has():
@@ -24,14 +25,15 @@ def test_each_role_says_what_it_has():
         "ref": (Output.LOGITS, False, ["compute_logprobs"]),
         "critic": (Output.VALUES, True, ["compute_values", "update"]),
         "reward": (Output.SCORES, False, ["compute_scores"]),
+        "teacher": (Output.LOGITS, False, ["compute_logprobs", "compute_top_k"]),
     }
     assert [name for name, role in ROLES.items() if not role.loads_lm_head] == ["critic"]
-    assert [name for name, role in ROLES.items() if role.replays_routing] == ["actor", "ref"]
+    assert [name for name, role in ROLES.items() if role.replays_routing] == ["actor", "ref", "teacher"]
     assert [name for name, role in ROLES.items() if role.records_routing] == ["actor"]
     assert {name: role.loss_metric for name, role in ROLES.items() if role.trains} == {"actor": "loss",
                                                                                        "critic": "vf_loss"}
     assert [WorkerConfig(role=name).trains for name in ROLES] == [role.trains for role in ROLES.values()]
-    with pytest.raises(ValueError, match="worker role 'judge' must be one of actor, ref, critic, reward"):
+    with pytest.raises(ValueError, match="worker role 'judge' must be one of actor, ref, critic, reward, teacher"):
         WorkerConfig(role="judge")
 
 
@@ -48,6 +50,7 @@ def _refusals_body(rank, world_size, llama_dir, reward_dir):
     batch = SequenceBatch([torch.tensor([3, 5, 7, 9])], [2])
     calls = {"compute_logprobs": lambda w: w.compute_logprobs(batch),
              "compute_values": lambda w: w.compute_values(batch), "compute_scores": lambda w: w.compute_scores(batch),
+             "compute_top_k": lambda w: w.compute_top_k(batch, 2),
              "update": lambda w: w.update(batch), "update_on_policy": lambda w: w.update_on_policy(batch),
              "sft_step": lambda w: w.sft_step(batch, 1e-3)}
     refusals = {}

@@ -29,6 +29,10 @@ may set only the recorded size kwargs. On a vision-language checkpoint (config.j
 ``vision_config``) the images go through transformers' Qwen2-VL image processor, and each image's ONE pad token
 is replaced, in order, by ``grid.prod() // merge**2`` pads (the prompt replacement of qwen2_5_vl.py, which
 vllm/multimodal/processing/processor.py applies to every prompt: an already expanded run is expanded again).
+LoRA (``fake_vllm_lora``): with ``enable_lora`` the engine takes PEFT adapters by ``llm_engine.add_lora`` and
+applies the one a ``generate(..., lora_request=...)`` names (``W + scale * B @ A``); ``vllm.lora.request`` is
+``lora_request_module``, which a test installs in ``sys.modules`` beside the fake.
+
 What the model then sees is in ``mm_requests`` (per ``generate`` call, per request: None or its expanded
 ``prompt_token_ids``, ``pixel_values`` and ``image_grid_thw``); ``RequestOutput.prompt_token_ids`` is expanded.
 """
@@ -46,6 +50,7 @@ import numpy as np
 import torch
 
 from . import api_snapshot
+from .fake_vllm_lora import FakeLoRA, LoRARequest, request_module as lora_request_module  # noqa: F401
 from .tiny_backend import TinyCausalLM
 from .vision import vision_of
 
@@ -198,6 +203,7 @@ class LLM:
         self.engine_args = dict(kwargs, skip_tokenizer_init=skip_tokenizer_init,
                                 tensor_parallel_size=tensor_parallel_size)
         self.model = TinyCausalLM(model)
+        self.llm_engine = FakeLoRA(self.model, kwargs)  # the LLMEngine's LoRA calls
         self.vision = vision_of(model)
         if self.vision is not None and skip_tokenizer_init:  # api/rules.json multimodal_processor_needs_tokenizer
             raise ValueError(api_snapshot.refusal("vllm", "multimodal_processor_needs_tokenizer",
@@ -227,7 +233,11 @@ class LLM:
         self.weight_version: Optional[str] = None
 
     @checked("LLM.generate")
-    def generate(self, prompts, sampling_params=None, *, use_tqdm=True, **_) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, *, use_tqdm=True, lora_request=None, **_) -> list[RequestOutput]:
+        with self.llm_engine.applied(lora_request):
+            return self._generate(prompts, sampling_params)
+
+    def _generate(self, prompts, sampling_params) -> list[RequestOutput]:
         if self._asleep:
             raise RuntimeError("generate called while the engine sleeps")
         if isinstance(sampling_params, SamplingParams):
@@ -429,6 +439,7 @@ class LLM:
             self.busy_resets -= 1
             return api_snapshot.rule("vllm", "reset_prefix_cache_in_use")["returns"]
         self.model.prefix_cache.clear()
+        self.llm_engine.caches.clear()
         return True
 
     @checked("LLM.sleep")
