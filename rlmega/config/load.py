@@ -149,8 +149,6 @@ def check_settings(config: RLConfig) -> None:
     if config.gateway.enabled:
         _require(not config.agent.enabled, "gateway.enabled",
                  "the harness makes the trajectories, so agent.enabled must be false (use one or the other)")
-        _require(config.rollout.mode != "async", "gateway.enabled",
-                 "rollout.mode=async does not run a harness yet: use rollout.mode=sync or one_step_off")
     _check_devices(config)
     rollout = config.rollout
     for field in ("tensor_parallel_size", "data_parallel_size", "expert_parallel_size"):

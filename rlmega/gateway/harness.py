@@ -15,6 +15,10 @@ stop token, nothing to train on, and ``gateway/lost_sessions`` counts it; so is 
 after a session's first (a harness that rewrote its history) are counted (``gateway/extra_segments``), not trained
 on.
 
+In ``rollout.mode=async`` the sessions run continuously instead (``start_session``, ``rlmega.gateway.live_sessions``):
+each call waits for the run's asynchronous driver, which serves it with the engines' current weights, continues
+or restarts it across a weight update, and takes a prompt's group once its sessions ended.
+
 ``demonstrate`` makes the supervised warm-start's trajectories (``gateway.demonstration``) the same way, with an
 engine that answers with the demonstrated turns (``rlmega.gateway.demonstration``).
 """
@@ -34,6 +38,7 @@ from rlmega.agent.parsers import load_parser
 from rlmega.errors import UserError
 from rlmega.gateway.config import GatewayConfig
 from rlmega.gateway.demonstration import DemonstrationEngine
+from rlmega.gateway.live_sessions import LiveSession
 from rlmega.gateway.server import Gateway
 from rlmega.gateway.sessions import SessionStore
 from rlmega.rollout.protocol import Generation, SamplingParams
@@ -104,7 +109,7 @@ def gateway_metrics(trajectories: Sequence[SessionTrajectory]) -> dict[str, floa
 
 class HarnessLoop:
     """``run(generator, records, params)`` like ``AgentLoop.run``: ``params.n`` trajectories per record;
-    ``demonstrate(records, turns)`` like ``AgentLoop.demonstrate``."""
+    ``demonstrate(records, turns)`` like ``AgentLoop.demonstrate``; ``start_session`` for an asynchronous run."""
 
     def __init__(self, config: GatewayConfig, tokenizer: Any, *, stop_token_ids: Sequence[int]):
         self.config, self.tokenizer = config, tokenizer
@@ -114,14 +119,19 @@ class HarnessLoop:
         self._batcher = _Batcher()
         self._params: Optional[SamplingParams] = None
         self.gateway: Optional[Gateway] = None
+        self._live: dict[str, LiveSession] = {}
+        self._live_pool: Optional[ThreadPoolExecutor] = None
+        self._ending = threading.Lock()  # a session ends once: by its harness or by its timeout
 
     def _params_for(self, session_id: str, asked: SamplingParams) -> SamplingParams:
+        if session_id in self._live:
+            return asked  # the asynchronous driver samples with the run's settings within the asked max_tokens
         run = self._params
         return dataclasses.replace(run, n=1, max_new_tokens=min(asked.max_new_tokens, run.max_new_tokens))
 
     def run(self, generator, records: Sequence, params: SamplingParams) -> list[Trajectory]:
         sessions, futures = self._play(generator, records, params)
-        return [self._trajectory(index, session_id, record, future)
+        return [self._finished(index, session_id, record, future)
                 for index, ((session_id, record, _), future) in enumerate(zip(sessions, futures))]
 
     def demonstrate(self, records: Sequence, turns: Sequence[Sequence[str]]) -> list[Trajectory]:
@@ -134,7 +144,7 @@ class HarnessLoop:
         # The engine writes the turns whatever the token budget; the harness's own max_tokens stays as asked.
         params = SamplingParams(max_new_tokens=1 << 16, stop_token_ids=self.stop_token_ids, n=1)
         sessions, futures = self._play(engine, records, params)
-        trajectories = [self._trajectory(index, session_id, record, future)
+        trajectories = [self._finished(index, session_id, record, future)
                         for index, ((session_id, record, _), future) in enumerate(zip(sessions, futures))]
         for (_, record, _), future in zip(sessions, futures):
             error = future.exception() if future.done() and not future.cancelled() else \
@@ -148,12 +158,7 @@ class HarnessLoop:
         """The harness on ``params.n`` sessions per record, against ``generator``; the sessions and the harness
         calls' futures, once all are done or ``session_timeout_s`` has passed."""
         self._batcher.generator, self._params = generator, params
-        if self.gateway is None:
-            config = self.config
-            self.gateway = Gateway(self._batcher.generate, self.tokenizer, host=config.host, port=config.port,
-                                   token=config.token, stop_token_ids=self.stop_token_ids, store=self.store,
-                                   parser=load_parser(self.config.parser), params_for=self._params_for,
-                                   timeout_s=config.session_timeout_s).serve()
+        self._serve()
         batch = uuid.uuid4().hex[:8]
         sessions = [(f"{batch}-{index}-{sample}", record, sample) for index, record in enumerate(records)
                     for sample in range(params.n)]
@@ -166,16 +171,93 @@ class HarnessLoop:
         pool.shutdown(wait=False, cancel_futures=True)
         return sessions, futures
 
-    def _trajectory(self, index: int, session_id: str, record, future: Future) -> SessionTrajectory:
-        session = self.store.pop(session_id)
+    def _serve(self) -> Gateway:
+        if self.gateway is None:
+            config = self.config
+            self.gateway = Gateway(self._batcher.generate, self.tokenizer, host=config.host, port=config.port,
+                                   token=config.token, stop_token_ids=self.stop_token_ids, store=self.store,
+                                   parser=load_parser(self.config.parser), params_for=self._params_for,
+                                   session_generate=self._engine_call, timeout_s=config.session_timeout_s,
+                                   # An asynchronous run's sessions may all hold a call waiting for a weight sync
+                                   # while validation's sessions (as many again) call.
+                                   max_concurrent_calls=2 * config.max_concurrent_sessions).serve()
+        return self.gateway
+
+    def _engine_call(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        live = self._live.get(session_id)
+        if live is None:
+            return self._batcher.generate([prompt_ids], params)[0]
+        return live.ask(prompt_ids, params, self.config.session_timeout_s)
+
+    # ---- an asynchronous run's sessions -----------------------------------------------------------------------
+
+    def start_session(self, record, sample: int, ready) -> LiveSession:
+        """Open a session for ``record``'s ``sample``-th trajectory and run the harness on it (at most
+        ``max_concurrent_sessions`` at once; the others wait their turn). ``ready(session)`` is called, on the
+        harness's thread, when a call waits for the engines (``context``, ``answer``) and when the session ended
+        (``session.trajectory``)."""
+        self._serve()
+        if self._live_pool is None:
+            self._live_pool = ThreadPoolExecutor(self.config.max_concurrent_sessions,
+                                                 thread_name_prefix="rlmega-harness")
+        session = LiveSession(f"live-{uuid.uuid4().hex[:12]}", record, sample, ready)
+        self.store.open(session.id)
+        self._live[session.id] = session
+        self._live_pool.submit(self._run_session, session)
+        return session
+
+    def _run_session(self, session: LiveSession) -> None:
+        # A harness past session_timeout_s is lost (its thread cannot be stopped: what it does later is ignored).
+        overtime = threading.Timer(self.config.session_timeout_s, self._end_session, (session, True, None))
+        overtime.daemon = True
+        overtime.start()
+        try:
+            returned, failed = self.harness(self.gateway.session_url(session.id),
+                                            example_of(session.record, session.sample)), False
+        except Exception:  # noqa: BLE001 - a failing harness loses its session, not the run
+            returned, failed = None, True
+        finally:
+            overtime.cancel()
+        self._end_session(session, failed, returned)
+
+    def _end_session(self, session: LiveSession, failed: bool, returned: Optional[float]) -> None:
+        with self._ending:
+            if self._live.pop(session.id, None) is None:
+                return  # ended already
+            trajectory = self._trajectory(0, session.id, session.record, failed, returned)
+        session.end(trajectory)
+
+    @staticmethod
+    def context(session: LiveSession) -> list[int]:
+        """What the session's waiting call generates from."""
+        return session.call.prompt_ids
+
+    @staticmethod
+    def max_new_tokens(session: LiveSession) -> int:
+        """The reply's token budget, as the harness asked."""
+        return session.call.params.max_new_tokens
+
+    @staticmethod
+    def answer(session: LiveSession, reply: Generation, versions: Sequence[int]) -> None:
+        """The reply to the session's waiting call, with the weight version of each of its tokens."""
+        session.answer(reply, versions)
+
+    # ---- trajectories -----------------------------------------------------------------------------------------
+
+    def _finished(self, index: int, session_id: str, record, future: Future) -> SessionTrajectory:
         failed = not future.done() or future.cancelled() or future.exception() is not None
-        prompt_index = index // self._params.n
+        return self._trajectory(index // self._params.n, session_id, record, failed,
+                                None if failed else future.result())
+
+    def _trajectory(self, prompt_index: int, session_id: str, record, failed: bool,
+                    returned: Optional[float]) -> SessionTrajectory:
+        session = self.store.pop(session_id)
         if failed or session is None or not session.segments:
             # Nothing to train on: the prompt and one masked stop token (a response is never empty).
             return SessionTrajectory(prompt_index, [self.stop_token_ids[0]], [0.0], "abort", -1,
                                      prompt_token_ids=list(record.prompt_token_ids), loss_mask=[0], lost=True)
         segment = session.segments[0]
-        reward = session.reward if session.reward is not None else future.result()
+        reward = session.reward if session.reward is not None else returned
         last_policy = max((i for i, kept in enumerate(segment.response_mask) if kept), default=-1)
         ended = last_policy >= 0 and segment.response_ids[last_policy] in self.stop_token_ids
         # Text in every message, as in the agent loop's (a reply with tool calls only has content None here).
@@ -187,6 +269,11 @@ class HarnessLoop:
                                  env_reward=float(reward or 0.0), extra_segments=len(session.segments) - 1)
 
     def close(self) -> None:
+        for session in list(self._live.values()):
+            session.fail_call(RuntimeError("the run is ending"))
+        if self._live_pool is not None:
+            self._live_pool.shutdown(wait=False, cancel_futures=True)
+            self._live_pool = None
         if self.gateway is not None:
             self.gateway.close()
             self.gateway = None

@@ -12,11 +12,13 @@ time; a bad request gets a 4xx with OpenAI's error shape and one plain sentence.
 """
 
 import asyncio
+import functools
 import ipaddress
 import json
 import secrets
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 from rlmega.agent.parsers import Parser, as_tool_call, hermes_parser
@@ -67,13 +69,21 @@ class Gateway:
                  max_request_bytes: int = MAX_REQUEST_BYTES, timeout_s: float = 300.0,
                  stop_token_ids: Optional[tuple[int, ...]] = None, store: Optional[SessionStore] = None,
                  parser: Parser = hermes_parser,
-                 params_for: Optional[Callable[[str, SamplingParams], SamplingParams]] = None):
+                 params_for: Optional[Callable[[str, SamplingParams], SamplingParams]] = None,
+                 session_generate: Optional[Callable[[str, list[int], SamplingParams], Generation]] = None,
+                 max_concurrent_calls: int = 16):
         """``parser``: how a reply's tool calls are read (``hermes``, or ``agent.parser``'s kind of function);
         ``params_for(session_id, asked)``: the sampling parameters a call runs with (a training run's own),
-        instead of the ones the harness asked for."""
+        instead of the ones the harness asked for; ``session_generate(session_id, prompt_ids, params)``: one
+        session's engine call, instead of ``generate`` (a training run serves its sessions' calls as its rollout
+        mode says); ``max_concurrent_calls``: calls served at once (each holds a thread while the engine works, so
+        this bounds how many calls reach the engines together)."""
         self.check_binding(host, token)
         self.generate, self.tokenizer = generate, tokenizer
+        self.session_generate = session_generate
         self.parser, self.params_for = parser, params_for
+        self.max_concurrent_calls = max_concurrent_calls
+        self._executor: Optional[ThreadPoolExecutor] = None
         self.host, self.port, self.token = host, port, token
         self.max_request_bytes, self.timeout_s = max_request_bytes, timeout_s
         self.stop_token_ids = tuple(stop_token_ids if stop_token_ids is not None else [tokenizer.eos_token_id])
@@ -115,7 +125,7 @@ class Gateway:
                 new_ids = self._encode(prompt[len(segment.context_text):])
             else:
                 segment, new_ids = self._new_segment(session, self._encode(prompt)), []
-            generation = self._generate(segment.context_ids + new_ids, params)
+            generation = self._generate(session_id, segment.context_ids + new_ids, params)
             text = self._text(generation)
             segment.add_turn(new_ids, generation)
             segment.context_text = prompt + text
@@ -141,7 +151,7 @@ class Gateway:
                 new_ids = chat.glue_ids(known, messages[len(known):])
             else:
                 segment, new_ids = self._new_segment(session, chat.prompt_ids(messages)), []
-            generation = self._generate(segment.context_ids + new_ids, params)
+            generation = self._generate(session_id, segment.context_ids + new_ids, params)
             message = self._assistant_message(self._text(generation), generation)
             segment.add_turn(new_ids, generation)
             segment.messages = [*messages, message]
@@ -179,7 +189,9 @@ class Gateway:
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+    def _generate(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        if self.session_generate is not None:
+            return self.session_generate(session_id, prompt_ids, params)
         return self.generate([prompt_ids], params)[0]
 
     def _text(self, generation: Generation) -> str:
@@ -250,7 +262,10 @@ class Gateway:
                 body = json.loads(raw or b"{}")
                 if not isinstance(body, dict):
                     raise RequestError("the body must be a JSON object")
-                return await asyncio.wait_for(asyncio.to_thread(call, session_id, body), self.timeout_s)
+                # A dedicated pool: asyncio's default one has a few threads per core, fewer than the sessions.
+                served = asyncio.get_running_loop().run_in_executor(self._executor,
+                                                                    functools.partial(call, session_id, body))
+                return await asyncio.wait_for(served, self.timeout_s)
             except json.JSONDecodeError:
                 return error("the body is not valid JSON", 400)
             except RequestError as refused:
@@ -292,6 +307,7 @@ class Gateway:
         """Start serving on a thread; returns once the server listens (its port chosen when ``port`` is 0)."""
         import uvicorn
 
+        self._executor = ThreadPoolExecutor(self.max_concurrent_calls, thread_name_prefix="rlmega-gateway-call")
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
@@ -310,3 +326,6 @@ class Gateway:
             self._server.should_exit = True
             self._thread.join(timeout=30)
             self._server = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None

@@ -13,6 +13,11 @@ Staleness, with ``s = rollout.max_staleness`` and ``v`` the version being update
 - the hard bound, checked when the trainer takes a batch: a group whose oldest token is more than
   ``s`` versions behind ``v`` is generated again or dropped (``rollout.stale_groups``), and counted.
 
+Through the gateway (``gateway.enabled``), each response is a harness session that runs on its own
+(``HarnessLoop.start_session``): the engine calls it makes are the work handed to the engines, each
+interrupted, continued or restarted as any response is, and its reply goes back to the harness; a group
+is whole once all its sessions ended. Calls that arrive during a weight sync wait for it.
+
 Prompts are numbered in the order drawn; the checkpoint records which were consumed (trained on, or
 dropped by dynamic sampling or staleness), so a resumed run generates the others again: none is lost,
 none trained twice.
@@ -32,6 +37,8 @@ from rlmega import algos
 from rlmega.agent.loop import AgentState
 from rlmega.data.schema import PromptRecord
 from rlmega.errors import UserError
+from rlmega.gateway.harness import HarnessLoop
+from rlmega.gateway.live_sessions import LiveSession
 from rlmega.rollout.protocol import Generation, SamplingParams
 from rlmega.trainer.batch_assembly import BatchAssembler, Group, Rollouts
 from rlmega.trainer.generation import ResponseGenerator
@@ -56,9 +63,10 @@ class _Response:
     finish: Optional[str] = None
     segments: int = 0  # engine requests it took (more than one when interrupted)
     empty_aborts: int = 0  # its last requests in a row that came back "abort" without a token
-    agent: Optional[AgentState] = None
+    agent: Optional[AgentState | LiveSession] = None
     """A multi-turn trajectory (``agent.enabled``): ``tokens``, ``logprobs`` and ``versions`` then hold the turn
-    being generated, ``agent.trajectory`` the turns, tool outputs and glue before it."""
+    being generated, ``agent.trajectory`` the turns, tool outputs and glue before it. Through the gateway, the
+    harness's session: they hold the reply to its waiting call."""
     trajectory_versions: list[int] = dataclasses.field(default_factory=list)
     """With ``agent``: the weight version of each of the trajectory's tokens (glue: its turn's last)."""
 
@@ -98,6 +106,8 @@ class AsyncRollouts:
         self.restarts = engines.restarts
         """``rollout.restart_dead_engines`` (``RolloutGroup.restarts``): None, a dead engine stops the run."""
         self.agent = generator.agent
+        self.harness = self.agent if isinstance(self.agent, HarnessLoop) else None
+        """Through the gateway: the sessions' calls are the responses' turns."""
         self.per_step = config.prompts_per_step
         self.staleness = config.max_staleness
         self.timeout_s = config.timeout_s
@@ -257,7 +267,7 @@ class AsyncRollouts:
                         turns = self._collect(future, generations)
                         self._lock.notify_all()
                     if turns:
-                        self._advance(turns)
+                        (self._advance if self.harness is None else self._answer)(turns)
         except BaseException as error:  # noqa: BLE001 - handed to the trainer's thread
             with self._lock:
                 self._error = error
@@ -288,8 +298,7 @@ class AsyncRollouts:
         while self._live < limit:
             draw, index = self._draw()
             record = self.data.dataset.batch([index])[0]
-            group = _Group(draw, record, self._responses(record, self.config.n))
-            self._pending.extend((group, sample) for sample in range(len(group.responses)))
+            self._start(_Group(draw, record, self._responses(record, self.config.n)))
             self._live += 1
 
     def _draw(self) -> tuple[int, int]:
@@ -334,13 +343,44 @@ class AsyncRollouts:
             self._in_flight[future] = (engine, work, time.perf_counter())
 
     def _params(self, group: _Group, sample: int, response: _Response) -> SamplingParams:
-        return self.generator.request_params(group.draw, sample, response.segments + 64 * group.attempt,
-                                             len(response.tokens))
+        params = self.generator.request_params(group.draw, sample, response.segments + 64 * group.attempt,
+                                               len(response.tokens))
+        if self.harness is None:
+            return params
+        asked = self.harness.max_new_tokens(response.agent) - len(response.tokens)
+        return dataclasses.replace(params, max_new_tokens=max(1, min(params.max_new_tokens, asked)))
 
     def _responses(self, record: PromptRecord, count: int) -> list[_Response]:
-        if self.agent is None:
+        if self.agent is None or self.harness is not None:  # a harness's sessions start with ``_start``
             return [_Response() for _ in range(count)]
         return [_Response(agent=self.agent.start(0, record)) for _ in range(count)]
+
+    def _start(self, group: _Group) -> None:
+        """A new group's responses wait for an engine; through the gateway, its sessions start, and each call they
+        make waits for one as it comes (the lock is held)."""
+        if self.harness is None:
+            self._pending.extend((group, sample) for sample in range(len(group.responses)))
+            return
+        for sample, response in enumerate(group.responses):
+            response.agent = self.harness.start_session(group.record, sample,
+                                                        lambda session, sample=sample: self._ready(group, sample))
+
+    def _ready(self, group: _Group, sample: int) -> None:
+        """A session's call waits for an engine, or the session ended (on the harness's thread)."""
+        with self._lock:
+            try:
+                session = group.responses[sample].agent
+                if not session.done:
+                    self._pending.append((group, sample))
+                else:
+                    self._pending = [(g, s) for g, s in self._pending if g is not group or s != sample]
+                    group.responses[sample].trajectory_versions = session.token_versions(self._version)
+                    # Whole once every session's end was taken in here (two may end at once: one completes it).
+                    if all(r.trajectory_versions for r in group.responses):
+                        self._complete(group)
+            except BaseException as error:  # noqa: BLE001 - handed to the trainer's thread
+                self._error = error
+            self._lock.notify_all()
 
     def _collect(self, future: futures.Future, generations: list[Generation]) -> list[tuple[_Group, int]]:
         """One engine request's answers (the lock is held); the agent trajectories whose turn ended, for
@@ -412,6 +452,17 @@ class AsyncRollouts:
                 self._complete(group)
             self._lock.notify_all()
 
+    def _answer(self, turns: list[tuple[_Group, int]]) -> None:
+        """The sessions' calls that ended: each reply goes back to its harness, with every token's weight version;
+        the session's next call, or its end, comes through ``_ready``."""
+        with self._lock:
+            for group, sample in turns:
+                response = group.responses[sample]
+                reply = Generation(prompt_index=0, response_token_ids=response.tokens, logprobs=response.logprobs,
+                                   finish_reason=response.finish, weight_version=min(response.versions, default=0))
+                self.harness.answer(response.agent, reply, response.versions)
+                response.tokens, response.logprobs, response.versions, response.finish = [], [], [], None
+
     def _complete(self, group: _Group) -> None:
         """Score a whole group; keep it, or drop it when dynamic sampling finds its scores all equal."""
         generations = [self._generation(r) for r in group.responses]
@@ -453,10 +504,9 @@ class AsyncRollouts:
                 self._drop(done.group)
             else:
                 self._window.stale_regenerated += 1
-                group = _Group(done.group.draw, done.group.record,
-                               self._responses(done.group.record, len(done.group.responses)),
-                               attempt=done.group.attempt + 1)
-                self._pending.extend((group, sample) for sample in range(len(group.responses)))
+                self._start(_Group(done.group.draw, done.group.record,
+                                   self._responses(done.group.record, len(done.group.responses)),
+                                   attempt=done.group.attempt + 1))
         return usable
 
     def _drop(self, group: _Group) -> None:

@@ -56,7 +56,6 @@ def test_a_harness_that_crashes_loses_only_its_sessions(tmp_path, assets):
 @pytest.mark.parametrize("overrides, message", [
     (["gateway.enabled=true"], "gateway.harness: a harness is needed"),
     ([*HARNESS, "agent.enabled=true"], "agent.enabled must be false"),
-    ([*HARNESS, "rollout.mode=async"], "rollout.mode=async does not run a harness yet"),
     ([*HARNESS, "gateway.host=0.0.0.0"], "give it a token"),
     (["gateway.enabled=true", "gateway.harness=nowhere.py:run"], "gateway.harness=nowhere.py:run: file not found"),
 ])
