@@ -24,7 +24,7 @@ from rlmega.workers.passes import Head, HeadResult
 from rlmega.workers.target_logprobs import vocab_parallel_target_logprobs
 
 
-def _response_rows(micro_batch: MicroBatch, output: torch.Tensor) -> torch.Tensor:
+def response_rows(micro_batch: MicroBatch, output: torch.Tensor) -> torch.Tensor:
     """``[N, V_local]`` (or ``[N, 1]``): the output rows at the response-predicting positions (all of
     the output's rows when the LM head computed only those: ``response_positions`` is None)."""
     flat = output.flatten(0, -2)  # [B * S, V_local]; V_local may be 0 (a slice of padding only: lm_head)
@@ -35,7 +35,7 @@ def _response_rows(micro_batch: MicroBatch, output: torch.Tensor) -> torch.Tenso
 
 def _scaled_rows(micro_batch: MicroBatch, output: torch.Tensor, logit_scale: float) -> torch.Tensor:
     """``[N_local, V_local]`` response rows of the logits divided by ``logit_scale`` (the sampling temperature)."""
-    rows = _response_rows(micro_batch, output)
+    rows = response_rows(micro_batch, output)
     return rows / logit_scale if logit_scale != 1.0 else rows
 
 
@@ -89,10 +89,10 @@ def _top_k_distill(batch: SequenceBatch, micro_batch: MicroBatch, rows: torch.Te
 
 def _values(micro_batch: MicroBatch, output: torch.Tensor) -> torch.Tensor:
     """``[N]`` values at the micro-batch's response-predicting positions (gathered over CP ranks)."""
-    return gather_response_values(_response_rows(micro_batch, output)[:, 0].float(), micro_batch)
+    return gather_response_values(response_rows(micro_batch, output)[:, 0].float(), micro_batch)
 
 
-def _attached(output: torch.Tensor) -> torch.Tensor:
+def attached_to_graph(output: torch.Tensor) -> torch.Tensor:
     """A zero that depends on ``output``: an empty micro-batch must still backpropagate through the pipeline."""
     return output.sum() * 0.0
 
@@ -102,7 +102,7 @@ def logprob_head(vocab_size: int, chunk_tokens: int, logit_scale: float = 1.0) -
 
     def head(micro_batch: MicroBatch, output: torch.Tensor) -> HeadResult:
         logp, entropy = _logprobs(micro_batch, output, vocab_size, chunk_tokens, logit_scale)
-        return HeadResult(loss=_attached(output), outputs={"logprobs": logp, "entropy": entropy})
+        return HeadResult(loss=attached_to_graph(output), outputs={"logprobs": logp, "entropy": entropy})
 
     return head
 
@@ -111,7 +111,7 @@ def value_head() -> Head:
     """Per-token values of the response positions (critic, forward only)."""
 
     def head(micro_batch: MicroBatch, output: torch.Tensor) -> HeadResult:
-        return HeadResult(loss=_attached(output), outputs={"values": _values(micro_batch, output)})
+        return HeadResult(loss=attached_to_graph(output), outputs={"values": _values(micro_batch, output)})
 
     return head
 
@@ -202,7 +202,7 @@ def policy_head(
             summed["distill/top_k_loss_term"] = distill_term.detach()
         summed["loss"] = loss.detach()
         outputs = {"logprobs": logp_flat.detach(), "entropy": entropy_flat.detach()} if on_policy else {}
-        return HeadResult(loss=(loss + _attached(output)) * backward_scale, metrics=metrics, summed=summed,
+        return HeadResult(loss=(loss + attached_to_graph(output)) * backward_scale, metrics=metrics, summed=summed,
                           outputs=outputs)
 
     return head
@@ -221,7 +221,7 @@ def critic_head(batch: SequenceBatch, config: CriticLossConfig, *, backward_scal
             loss_agg_mode=config.loss_agg_mode, global_denominators=denominators,
         )
         return HeadResult(
-            loss=(loss + _attached(output)) * backward_scale, metrics=metrics, summed={"vf_loss": loss.detach()},
+            loss=(loss + attached_to_graph(output)) * backward_scale, metrics=metrics, summed={"vf_loss": loss.detach()},
         )
 
     return head
@@ -237,6 +237,6 @@ def sft_head(batch: SequenceBatch, *, vocab_size: int, chunk_tokens: int, backwa
             mask = torch.cat([batch.fields["response_mask"][i] for i in micro_batch.indices]).to(logp_flat)
             logp_flat = logp_flat * mask
         loss = -logp_flat.sum() / denominators.num_tokens.clamp(min=1)
-        return HeadResult(loss=(loss + _attached(output)) * backward_scale, summed={"sft_loss": loss.detach()})
+        return HeadResult(loss=(loss + attached_to_graph(output)) * backward_scale, summed={"sft_loss": loss.detach()})
 
     return head

@@ -24,13 +24,14 @@ import torch.distributed as dist
 DEFAULT_CHUNK_TOKENS = 1024
 
 
-def _all_reduce(tensor: torch.Tensor, op, group) -> torch.Tensor:
+def all_reduce_in(tensor: torch.Tensor, op, group) -> torch.Tensor:
+    """``tensor`` reduced in place over ``group`` (nothing to do without one, or on one rank)."""
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
 
-def _valid_columns(local_vocab: int, vocab_start: int, vocab_size: int) -> int:
+def valid_columns(local_vocab: int, vocab_start: int, vocab_size: int) -> int:
     """How many of this rank's columns are real tokens; padding sits at the end of the vocabulary."""
     return max(0, min(local_vocab, vocab_size - vocab_start))
 
@@ -42,10 +43,10 @@ def _batched_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _chunk_statistics(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, vocab_size: int, group):
     """(logsumexp, target logit, sum p*z) of one token chunk, in fp32, with two ``[n, V_local]`` temporaries."""
-    valid = _valid_columns(logits.shape[-1], vocab_start, vocab_size)
+    valid = valid_columns(logits.shape[-1], vocab_start, vocab_size)
     shifted = logits[:, :valid].to(torch.float32, copy=True)
     local_max = shifted.max(dim=-1).values if valid else torch.full(targets.shape, float("-inf"))
-    global_max = _all_reduce(local_max, dist.ReduceOp.MAX, group)
+    global_max = all_reduce_in(local_max, dist.ReduceOp.MAX, group)
     shifted.sub_(global_max.unsqueeze(-1))
     exp = torch.exp(shifted)
     local_target = targets - vocab_start
@@ -53,7 +54,7 @@ def _chunk_statistics(logits: torch.Tensor, targets: torch.Tensor, vocab_start: 
     picked = shifted.gather(-1, local_target.clamp(0, max(valid - 1, 0)).unsqueeze(-1)).squeeze(-1) if valid else torch.zeros_like(global_max)
     # The three sums in one all-reduce (each collective costs its latency): sum_v exp, the target's shifted logit
     # (on the rank that owns it, 0 elsewhere), and sum_v exp (z_v - max).
-    sum_exp, target_shifted, dot = _all_reduce(torch.stack([
+    sum_exp, target_shifted, dot = all_reduce_in(torch.stack([
         exp.sum(dim=-1), torch.where(owned, picked, torch.zeros_like(picked)), _batched_dot(exp, shifted)]),
         dist.ReduceOp.SUM, group)
     sum_pz = global_max + dot / sum_exp  # sum_v p_v z_v = max + sum_v p_v (z_v - max)
@@ -78,7 +79,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
     def backward(ctx, grad_logprobs, grad_entropy):
         logits, targets, lses, sums = ctx.saved_tensors
         vocab_start, vocab_size, chunk_tokens = ctx.settings
-        valid = _valid_columns(logits.shape[-1], vocab_start, vocab_size)
+        valid = valid_columns(logits.shape[-1], vocab_start, vocab_size)
         grad_logits = torch.zeros_like(logits)  # padding columns get no gradient
         for start in range(0, targets.shape[0], chunk_tokens):
             rows = slice(start, start + chunk_tokens)

@@ -115,7 +115,7 @@ def reporting_rank() -> bool:
             and ps.get_context_parallel_rank() == 0)
 
 
-def _results_elsewhere() -> bool:
+def results_elsewhere() -> bool:
     """Whether some rank lacks results that another has, so that they must be summed over the default group:
     with several data-parallel replicas (each computes its own sequences) or pipeline stages (only the last
     computes them). Tensor- and context-parallel ranks of one replica all hold its whole results (the heads
@@ -129,11 +129,11 @@ def _results_elsewhere() -> bool:
 def combine_metrics(results: list[Optional[HeadResult]], micro_batches: list[MicroBatch]) -> dict[str, float]:
     """The heads' metrics over every micro-batch of every data-parallel rank, the same on all ranks:
     token-weighted means of ``metrics``, totals of ``summed``. Collective over the default group where ranks hold
-    different results (``_results_elsewhere``)."""
+    different results (``results_elsewhere``)."""
     means, totals = _agree_on_names(
         {n for r in results if r is not None for n in r.metrics}, {n for r in results if r is not None for n in r.summed})
     sums = torch.zeros(len(means) + len(totals) + 1, dtype=torch.float64)
-    elsewhere = _results_elsewhere()
+    elsewhere = results_elsewhere()
     if reporting_rank() or not elsewhere:
         for result, micro_batch in zip(results, micro_batches):
             weight = float(sum(micro_batch.response_lengths))  # all its tokens, also under context parallelism
@@ -155,7 +155,7 @@ def combine_metrics(results: list[Optional[HeadResult]], micro_batches: list[Mic
 def _agree_on_names(means: set[str], totals: set[str]) -> tuple[list[str], list[str]]:
     """Every rank's names of mean and summed metrics (only the last stage knows them), sorted; one all-gather."""
     gathered: list = [(means, totals)]
-    if _results_elsewhere():
+    if results_elsewhere():
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (means, totals))
     return sorted(set().union(*(part[0] for part in gathered))), sorted(set().union(*(part[1] for part in gathered)))
@@ -168,11 +168,11 @@ def scatter_outputs(
 
     Each sequence is computed by exactly one data-parallel replica; its reporting rank writes it
     into a flat buffer and a sum over all ranks assembles the batch (collective), unless every rank
-    already holds every result (``_results_elsewhere``).
+    already holds every result (``results_elsewhere``).
     """
     offsets = list(itertools.accumulate(response_lengths, initial=0))
     flat = torch.zeros(offsets[-1], dtype=torch.float32)
-    elsewhere = _results_elsewhere()
+    elsewhere = results_elsewhere()
     if reporting_rank() or not elsewhere:
         for result, micro_batch in zip(results, micro_batches):
             slots = concatenated_ranges([offsets[index] for index in micro_batch.indices], micro_batch.response_lengths)

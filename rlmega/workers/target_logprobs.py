@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from rlmega.workers.logprobs import DEFAULT_CHUNK_TOKENS, _all_reduce, _valid_columns
+from rlmega.workers.logprobs import DEFAULT_CHUNK_TOKENS, all_reduce_in, valid_columns
 
 
 def _chunk_logprobs(logits: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor, valid: int, group):
@@ -27,11 +27,11 @@ def _chunk_logprobs(logits: torch.Tensor, local_targets: torch.Tensor, owned: to
     shifted = logits[:, :valid].to(torch.float32, copy=True)
     rows = local_targets.shape[0]
     local_max = shifted.max(dim=-1).values if valid else torch.full((rows,), float("-inf"), device=logits.device)
-    global_max = _all_reduce(local_max, dist.ReduceOp.MAX, group)
+    global_max = all_reduce_in(local_max, dist.ReduceOp.MAX, group)
     shifted.sub_(global_max.unsqueeze(-1))
     picked = shifted.gather(-1, local_targets) if valid else torch.zeros(local_targets.shape, device=logits.device)
     # One all-reduce for both sums: sum_v exp (z_v - max), and each target's shifted logit (owner's, 0 elsewhere).
-    sums = _all_reduce(torch.cat([torch.exp(shifted).sum(dim=-1, keepdim=True),
+    sums = all_reduce_in(torch.cat([torch.exp(shifted).sum(dim=-1, keepdim=True),
                                   torch.where(owned, picked, torch.zeros_like(picked))], dim=-1),
                        dist.ReduceOp.SUM, group)
     log_sum_exp = torch.log(sums[:, :1])
@@ -48,7 +48,7 @@ def _local(targets: torch.Tensor, vocab_start: int, valid: int) -> tuple[torch.T
 class _VocabParallelTargetLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, vocab_size, group, chunk_tokens):
-        valid = _valid_columns(logits.shape[-1], vocab_start, vocab_size)
+        valid = valid_columns(logits.shape[-1], vocab_start, vocab_size)
         local_targets, owned = _local(targets, vocab_start, valid)
         logprobs = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
         lses = torch.empty(targets.shape[:1], dtype=torch.float32, device=logits.device)

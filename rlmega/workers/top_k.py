@@ -24,9 +24,9 @@ import torch.distributed as dist
 from rlmega.models.spec import padded_vocab_size
 from rlmega.workers.batching import MicroBatch, concatenated_ranges
 from rlmega.workers.context_parallel import gather_response_values
-from rlmega.workers.heads import _attached, _response_rows
+from rlmega.workers.heads import attached_to_graph, response_rows
 from rlmega.workers.logprobs import DEFAULT_CHUNK_TOKENS
-from rlmega.workers.passes import Head, HeadResult, _results_elsewhere, reporting_rank
+from rlmega.workers.passes import Head, HeadResult, results_elsewhere, reporting_rank
 
 
 def _chunk_top_k(logits: torch.Tensor, k: int, vocab_start: int, vocab_size: int, group) -> tuple[torch.Tensor,
@@ -97,7 +97,7 @@ def top_k_head(vocab_size: int, k: int, chunk_tokens: int, logit_scale: float = 
     def head(micro_batch: MicroBatch, output: torch.Tensor) -> HeadResult:
         from megatron.core import parallel_state as ps
 
-        rows = _response_rows(micro_batch, output)
+        rows = response_rows(micro_batch, output)
         if logit_scale != 1.0:
             rows = rows / logit_scale
         tp = ps.get_tensor_model_parallel_world_size()
@@ -106,7 +106,7 @@ def top_k_head(vocab_size: int, k: int, chunk_tokens: int, logit_scale: float = 
             vocab_start=ps.get_tensor_model_parallel_rank() * (padded_vocab_size(vocab_size, tp) // tp),
             group=ps.get_tensor_model_parallel_group(), chunk_tokens=chunk_tokens)
         packed = torch.cat([ids.double(), logprobs.double()], dim=-1)
-        return HeadResult(loss=_attached(output), outputs={"top_k": gather_response_values(packed, micro_batch)})
+        return HeadResult(loss=attached_to_graph(output), outputs={"top_k": gather_response_values(packed, micro_batch)})
 
     return head
 
@@ -118,7 +118,7 @@ def scatter_top_k(results: list[Optional[HeadResult]], micro_batches: list[Micro
     sequences, and one sum over the ranks, where they hold different results, gives everyone all of them)."""
     offsets = list(itertools.accumulate(response_lengths, initial=0))
     flat = torch.zeros((offsets[-1], 2 * k), dtype=torch.float64)
-    elsewhere = _results_elsewhere()
+    elsewhere = results_elsewhere()
     if reporting_rank() or not elsewhere:
         for result, micro_batch in zip(results, micro_batches):
             slots = concatenated_ranges([offsets[index] for index in micro_batch.indices], micro_batch.response_lengths)
