@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 
 from rlmega.models import lora, model_spec_from_hf
 from rlmega.parallel.layout import ParallelLayout, destroy, initialize
@@ -14,7 +13,7 @@ from rlmega.parallel.spawn import run_on_ranks
 from rlmega.workers.worker import MegatronWorker
 from test_lora_update import _lora_config
 from test_worker_update import _training_batch
-from worker_cases import make_batch
+from worker_cases import make_batch, saved_model_keys
 
 TIMEOUT_S = 300
 
@@ -57,17 +56,12 @@ def _resume_body(rank, world_size, layout, hf_dir, root):
     return merged
 
 
-def _saved_keys(root) -> set[str]:
-    return set(FileSystemReader(str(root / "iter_0000001")).read_metadata().state_dict_metadata)
-
-
 @pytest.mark.parametrize("fold", [False, True], ids=["adapters", "folded"])
 def test_lora_checkpoint_resumes_in_another_layout(checkpoints, tmp_path, fold):
     hf_dir, root = str(checkpoints["llama"]), tmp_path / "ckpt"
     saved_at = ParallelLayout(tp=2, world_size=2)
     want, folded = run_on_ranks(_save_body, 2, timeout_s=TIMEOUT_S, args=(saved_at, hf_dir, root, fold))[0]
-    model_keys = {key for key in _saved_keys(root) if not key.startswith(("optimizer", "rng", "step", "extra",
-                                                                          "common_state"))}  # 0.19: shared state
+    model_keys = saved_model_keys(root / "iter_0000001")
     metadata = json.loads((root / "iter_0000001" / "rlmega.json").read_text())
     if fold:
         assert metadata["model"] == "whole" and any(".linear_qkv.weight" in key for key in model_keys)

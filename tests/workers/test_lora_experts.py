@@ -21,7 +21,7 @@ from rlmega.workers.config import WorkerConfig
 from rlmega.workers.lora_export import peft_tensors
 from rlmega.workers.worker import MegatronWorker
 from test_worker_update import _config, _spec, _training_batch
-from worker_cases import hf_logprobs, make_batch
+from worker_cases import hf_logprobs, make_batch, saved_model_keys
 
 RANK, ALPHA = 4, 8.0
 TIMEOUT_S = 300
@@ -255,13 +255,10 @@ def _checkpoint_body(rank, world_size, layout, hf_dir, root, save):
 
 
 def test_expert_adapter_checkpoint_resumes_on_one_rank(checkpoints, tmp_path):
-    from torch.distributed.checkpoint import FileSystemReader
-
     hf_dir, root = str(checkpoints["qwen3-moe"]), tmp_path / "ckpt"
     want = run_on_ranks(_checkpoint_body, 2, timeout_s=TIMEOUT_S,
                         args=(ParallelLayout(ep=2, world_size=2), hf_dir, root, True))[0]
-    saved = set(FileSystemReader(str(root / "iter_0000001")).read_metadata().state_dict_metadata)
-    model_keys = {key for key in saved if not key.startswith(("optimizer", "rng", "step", "extra"))}
+    model_keys = saved_model_keys(root / "iter_0000001")
     assert model_keys and all(lora.is_adapter_key(key) for key in model_keys)
     assert any(".experts." in key for key in model_keys)
     got = run_on_ranks(_checkpoint_body, 1, timeout_s=TIMEOUT_S,

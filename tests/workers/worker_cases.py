@@ -25,3 +25,12 @@ def hf_logprobs(hf_dir, batch: SequenceBatch):
             logprobs.append(log_softmax.gather(-1, tokens[prompt:].unsqueeze(-1))[:, 0])
             entropies.append(-(log_softmax.exp() * log_softmax).sum(-1))
     return logprobs, entropies
+
+
+def saved_model_keys(iteration_dir) -> set[str]:
+    """The model's keys in a saved checkpoint: not the optimizer's, the RNG's or the step's, nor Megatron's common
+    state (a key of its own in the files from megatron-core 0.19)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(iteration_dir)).read_metadata().state_dict_metadata
+    return {key for key in saved if not key.startswith(("optimizer", "rng", "step", "extra", "common_state"))}
