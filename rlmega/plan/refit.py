@@ -11,6 +11,9 @@ measured ones (``meta_build``: the bridge's own names and ownership, bf16, vocab
 Times are bandwidth-only lower bounds: a leg takes its bytes over its slowest link; the export double-
 buffers, so the legs overlap (the total is the slowest leg) and cannot take longer than their sum.
 
+``sync.lora=adapters`` (a LoRA actor) streams the adapters alone (``adapter_refit``): every leg carries the adapters'
+share of the model's bytes, and there is no sliced target (the sliced transfers move base weights).
+
 ``sync.transport=sharded_rdt`` (vLLM's sliced transfer, each engine rank pulling its blocks from the owners) has no
 such legs: its time is the transfer plan's (``sliced_refit``), with data-parallel replica 0 sending. Every plan also
 carries the target, the same plan with every replica sending.
@@ -22,6 +25,7 @@ import dataclasses
 from typing import Optional
 
 from rlmega.errors import UserError
+from rlmega.plan.adapter_refit import adapter_bytes
 from rlmega.plan.meta_build import StageCoordinates
 from rlmega.plan.sliced_refit import SlicedRefit, predict_sliced
 from rlmega.rollout.engine_bytes import fp8_stream_fraction
@@ -59,6 +63,8 @@ class Refit:
     """The sliced transfer with every replica sending (None where the engines or the model have no plan)."""
     no_target: str = ""
     """Why there is no target, where there is none though there are engines."""
+    adapters_only: bool = False
+    """``sync.lora=adapters``: the bytes are the LoRA adapters', not the model's."""
 
     @property
     def seconds_overlapped(self) -> float:
@@ -129,8 +135,12 @@ def plan_refit(config, layout, positions: list[dict], preset, spec, hf_config: d
     """The refit of ``config``'s transport, and the sliced target (``spec``, ``hf_config``: the model's)."""
     # An FP8 sync streams the linear weights quantized: about half the bytes, the same tensors.
     fraction = fp8_stream_fraction(hf_config) if config.rollout.weight_dtype == "fp8" else 1.0
-    refit = _funnel(config, layout, positions, preset, fraction)
+    adapters = config.sync.lora == "adapters" and config.actor.lora.enabled
+    refit = _funnel(config, layout, positions, preset, fraction, adapter_bytes(config, spec) if adapters else None)
     if not config.rollout.num_engines:
+        return refit
+    if adapters:
+        refit.no_target = "sync.lora=adapters streams the adapters alone; the sliced transfers move base weights"
         return refit
     try:
         if refit.transport == "sharded_rdt":
@@ -145,25 +155,33 @@ def plan_refit(config, layout, positions: list[dict], preset, spec, hf_config: d
     return refit
 
 
-def _funnel(config, layout, positions: list[dict], preset, stream_fraction: float = 1.0) -> Refit:
+def _funnel(config, layout, positions: list[dict], preset, stream_fraction: float = 1.0,
+            adapters: Optional[int] = None) -> Refit:
     """Through trainer rank 0: the owners' bytes to it, and from it to every engine (``stream_fraction`` of the
-    HF bytes the owners send: rank 0 quantizes an FP8 sync before it streams)."""
+    HF bytes the owners send: rank 0 quantizes an FP8 sync before it streams). ``adapters``: the bytes of the LoRA
+    adapters a ``sync.lora=adapters`` sync sends instead, which the owners hold in the model's proportions."""
     totals = _totals(layout, positions)
     gpn, nvlink = config.plan.gpus_per_node, preset.nvlink_gb_per_s
     ib_per_gpu = config.plan.ib_gb_per_s / gpn
     senders = _senders(layout, positions, gpn)
+    share = 1.0
+    if adapters is not None:  # each owner sends its layers' adapters: its share of the model's bytes
+        share, stream_fraction = adapters / totals["bytes"], 1.0
+        for row in senders:
+            row["bytes_each"] *= share
     inbound = {"nvlink": 0.0, "ib": 0.0}
     for row in senders:
         if row["link"] != "self":
             inbound[row["link"]] += row["count"] * row["bytes_each"]
     engines = _engine_gpus(config, layout)
-    streamed = totals["bytes"] * stream_fraction
+    streamed = totals["bytes"] * stream_fraction * share
     transport = config.sync.transport
     if transport == "auto":  # as rlmega.sync.make_transport picks for engine actors
         transport = "shared_memory" if all(gpus[0] // gpn == 0 for gpus in engines) else "object_store"
     # Each owner first gathers its parameters' other TP (expert: ETP) shards inside its group, on its node.
-    gather = max(counts["dense_split"] * (layout.tp - 1) / layout.tp + counts["expert"] * (layout.expert_tp - 1) / layout.expert_tp
-                 for counts in (p["roles"]["actor"]["sync_bytes"] for p in positions))
+    gather = share * max(counts["dense_split"] * (layout.tp - 1) / layout.tp
+                         + counts["expert"] * (layout.expert_tp - 1) / layout.expert_tp
+                         for counts in (p["roles"]["actor"]["sync_bytes"] for p in positions))
     legs = [Leg("TP shards -> their owner (the fullest)", gather, "NVLink", nvlink),
             Leg("owners -> rank 0 (same node)", inbound["nvlink"], "NVLink", nvlink),
             Leg("owners -> rank 0 (other nodes)", inbound["ib"], "InfiniBand, rank 0's NIC", ib_per_gpu)]
@@ -197,7 +215,7 @@ def _funnel(config, layout, positions: list[dict], preset, stream_fraction: floa
             legs.append(Leg("engine driver -> its other GPUs (collective_rpc)", streamed,
                             "InfiniBand" if spans else "NVLink", ib_per_gpu if spans else nvlink))
     return Refit(transport=transport, requested=config.sync.transport, bytes_per_sync=streamed, totals=totals, senders=senders,
-                 engine_gpu_receives=streamed, legs=legs)
+                 engine_gpu_receives=streamed, legs=legs, adapters_only=adapters is not None)
 
 
 def spans_nodes(gpus: list[int], gpus_per_node: int) -> bool:

@@ -106,19 +106,25 @@ def render(plan: Plan) -> str:
     if refit.sliced is not None:
         lines += ["", f"refit      transport {chosen}: each engine GPU pulls only the blocks it holds from the owners"]
         lines += _sliced(refit.sliced)
+    elif refit.adapters_only:
+        lines += ["", f"refit      {refit.bytes_per_sync / 1e6:.1f} MB per sync to every engine GPU, adapters only "
+                      f"(sync.lora=adapters), transport {chosen}"]
     else:
         lines += ["", f"refit      {refit.bytes_per_sync / 1e9:.1f} GB per sync to every engine GPU, transport {chosen}"]
+    # Adapters are megabytes: in MB, with the seconds to match.
+    unit, scale, digits = ("MB", 1e6, 3) if refit.adapters_only else ("GB", 1e9, 1)
     for row in refit.senders if refit.sliced is None else ():
         if row["bytes_each"]:
             link = {"nvlink": "NVLink", "ib": "InfiniBand"}.get(row["link"])
             where = "hold it (rank 0)" if row["link"] == "self" else f"send it over {link} to rank 0"
-            lines.append(f"  {stages_label(row['stages'])}: {row['count']} rank(s) own {row['bytes_each'] / 1e9:.2f} GB "
-                         f"each ({row['kind']}) and {where}")
+            lines.append(f"  {stages_label(row['stages'])}: {row['count']} rank(s) own {row['bytes_each'] / scale:.2f} "
+                         f"{unit} each ({row['kind']}) and {where}")
     for leg in refit.legs:
-        lines.append(f"  {leg.name}: {leg.bytes / 1e9:.1f} GB over {leg.link} at {leg.gb_per_s:g} GB/s = {leg.seconds:.1f} s")
+        lines.append(f"  {leg.name}: {leg.bytes / scale:.1f} {unit} over {leg.link} at {leg.gb_per_s:g} GB/s = "
+                     f"{leg.seconds:.{digits}f} s")
     if refit.sliced is None:
-        lines.append(f"  predicted {refit.seconds_overlapped:.1f} s (legs overlapped) to {refit.seconds_serial:.1f} s (in turn), "
-                     "bandwidth only")
+        lines.append(f"  predicted {refit.seconds_overlapped:.{digits}f} s (legs overlapped) to "
+                     f"{refit.seconds_serial:.{digits}f} s (in turn), bandwidth only")
     if refit.target is not None:
         lines.append("target     the sliced transfer plan, every replica sending (sync.transport=sliced, engines of one GPU each):")
         lines += _sliced(refit.target)

@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 from rlmega.rollout.fp8_weights import check_weight_dtype, for_fp8_checkpoint, is_fp8_checkpoint, write_fp8_checkpoint
+from rlmega.rollout.lora_serving import ServedAdapter
 from rlmega.rollout.protocol import FinishReason, Generation, SamplingParams, UnknownWeightError
 from rlmega.rollout.sampling import request_generator
 from rlmega.rollout.weight_group import DEFAULT_GROUP_NAME, WeightMeta
@@ -371,6 +372,8 @@ class EngineAdapter(UpdateSteps, ABC):
     (memory must be mapped to be written), and ``wake()`` brings back the rest, weights before KV cache.
     Engine calls are serialised (``serialised``); ``pause_generation`` asks the engine to interrupt a running
     call through ``_engine_interrupt``, which each adapter implements as far as its engine allows.
+    An engine that serves LoRA adapters (``sync.lora=adapters``) sets ``_adapters``: an update's adapter tensors are
+    kept apart from its base weights and loaded at the commit (``rlmega.rollout.lora_serving``).
     """
 
     engine_name: str  # health()["engine"]
@@ -401,6 +404,7 @@ class EngineAdapter(UpdateSteps, ABC):
         self._update_open = False  # the engine's own update session (_engine_open_update) is open
         self._lock = threading.RLock()
         self._paused = threading.Event()
+        self._adapters: Optional[ServedAdapter] = None
 
     # ------------------------------------------------------------------ engine calls
 
@@ -510,7 +514,24 @@ class EngineAdapter(UpdateSteps, ABC):
 
     # ------------------------------------------------------------------ weights, colocated
 
+    @serialised
+    def begin_update(self, version: int) -> None:
+        super().begin_update(version)
+        if self._adapters is not None:
+            self._adapters.begin()
+
+    @serialised
+    def commit_update(self) -> None:
+        """An update that brought an adapter has the engine load it before the version commits (if that fails, the
+        update is left torn)."""
+        if self._adapters is not None and self._adapters.has_pending():
+            self._book.sending()
+            self._adapters.serve(self._book.pending)
+        super().commit_update()
+
     def _checked_buckets(self, named_tensors: Iterable[tuple[str, torch.Tensor]]):
+        if self._adapters is not None:
+            named_tensors = self._adapters.take(named_tensors)
         return checked_buckets(for_fp8_checkpoint(named_tensors, self.weights.shapes), self.weights,
                                self.bucket_bytes)
 

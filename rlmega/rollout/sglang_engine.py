@@ -16,6 +16,10 @@ routed experts (MoE routing replay, R3): each ``Generation`` then carries ``rout
 ``pause_generation`` aborts the requests of a running ``generate`` in SGLang's scheduler
 (``TokenizerManager.abort_request(abort_all=True)``); they come back with the tokens generated so far.
 
+``lora_rank > 0`` (``sync.lora=adapters``) starts the engine with SGLang's LoRA: updates then carry the trained
+adapter (and base weights only when the base changed), which SGLang loads by name from a PEFT directory at the commit
+and every request names (``rlmega.rollout.lora_serving``).
+
 Every call into SGLang is in the "SGLang 0.5.23 API" section below; README.md says what was checked where;
 tests/rollout/fakes/api/sglang.json is what the wheel's source says of each call.
 """
@@ -39,6 +43,7 @@ from rlmega.rollout.engine_common import (
     adapter_settings,
     check_version,
 )
+from rlmega.rollout.lora_serving import ServedAdapter
 from rlmega.rollout.protocol import SamplingParams
 from rlmega.rollout.weight_group import WeightMeta
 from rlmega.data.schema import ImageInputs
@@ -71,6 +76,16 @@ SUPPORTED_VERSIONS = ((0, 5, 23), (0, 5, 24))
 # as given, and each run of image pad tokens is one image's features, split by image_grid_thw:
 # process_and_combine_mm_data_async, sglang/srt/managers/mm_utils.py get_new_expanded_mm_items),
 # sglang/srt/multimodal/processors/qwen_vl.py (Qwen2.5-VL: mrope positions from those runs and grids).
+# LoRA: sglang/srt/arg_groups/fields/lora.py (enable_lora, max_lora_rank, lora_target_modules, max_loras_per_batch),
+# sglang/srt/arg_groups/lora_hook.py (without lora_paths at start, both max_lora_rank and lora_target_modules are
+# required), Engine.load_lora_adapter / unload_lora_adapter (results: LoRAUpdateOutput, success and error_message,
+# sglang/srt/managers/io_struct.py; sglang/srt/managers/tokenizer_control_mixin.py refuses a name it has loaded),
+# sglang/srt/lora/lora_config.py and lora.py (adapter_config.json's r and lora_alpha, scale lora_alpha / r),
+# sglang/srt/lora/mem_pool.py (can_support: a rank above max_lora_rank, or a module outside lora_target_modules
+# (q/k/v -> qkv_proj, gate/up -> gate_up_proj: sglang/srt/lora/utils.py get_normalized_target_modules), refused),
+# Engine.generate's lora_path (one adapter name per request: GenerateReqInput._normalize_lora_paths, resolved by
+# name in TokenizerManager._resolve_lora_path). A LoRA-wrapped layer keeps its base weight under the layer's own name
+# (sglang/srt/lora/layers.py BaseLayerWithLoRA: self.weight = base_layer.weight), so base updates load as before.
 
 # sglang/srt/layers/sampler.py reads it when the scheduler processes import it: with it, the returned
 # log-probs are log(softmax(raw logits)); without it, log(softmax(logits / temperature)) (greedy requests:
@@ -108,13 +123,22 @@ def _import_sglang():
     return sglang
 
 
-def _engine_settings(record_routing: bool) -> dict:
+# The PEFT modules rlmega's adapters name (rlmega.workers.lora_export: attention and the dense MLP), all in
+# sglang/srt/utils/common.py SUPPORTED_LORA_TARGET_MODULES.
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _engine_settings(record_routing: bool, lora_rank: int = 0, lora_modules: tuple[str, ...] = ()) -> dict:
     """Server arguments the adapter depends on."""
+    # The adapter served (base-only requests before the first one): two per batch cover a batch of either.
+    lora = {"enable_lora": True, "max_lora_rank": lora_rank, "lora_target_modules": list(lora_modules),
+            "max_loras_per_batch": 2} if lora_rank else {}
     return {
         "skip_tokenizer_init": True,  # token ids in and out
         "enable_memory_saver": True,  # without it release_memory_occupation frees nothing
         # The routed-experts capturer exists only with it; requests then ask with return_routed_experts.
         **({"enable_return_routed_experts": True} if record_routing else {}),
+        **lora,
     }
 
 
@@ -182,13 +206,15 @@ def _abort_failure(meta: dict, paused: bool) -> str | None:
 def _generate(engine, prompts: list[list[int]], sampling: list[dict],
               routing_shape: tuple[int, int] | None = None,
               images: list[ImageInputs | None] | None = None,
-              paused: Callable[[], bool] = lambda: True) -> list[EngineResponse]:
+              paused: Callable[[], bool] = lambda: True, adapter: str | None = None) -> list[EngineResponse]:
     """``routing_shape``: ``(num_hidden_layers, num_experts_per_tok)`` to ask for routed experts, else None.
     ``images``: per request, None or its images; the input ids keep their expanded pad tokens. ``paused()``:
-    whether a pause was asked during the call (an abort is then the pause's, unless it carries a status code)."""
+    whether a pause was asked during the call (an abort is then the pause's, unless it carries a status code).
+    ``adapter``: the name of the LoRA adapter every request applies (None: the base model)."""
     routing = {"return_routed_experts": True} if routing_shape is not None else {}
-    outputs = engine.generate(input_ids=prompts, sampling_params=sampling, return_logprob=True,
-                              logprob_start_len=-1, **routing, **_image_data(images))  # -1: no prompt log-probs
+    lora = {"lora_path": [adapter] * len(prompts)} if adapter is not None else {}
+    outputs = engine.generate(input_ids=prompts, sampling_params=sampling, return_logprob=True,  # -1: no prompt
+                              logprob_start_len=-1, **routing, **lora, **_image_data(images))  # log-probs
     responses = []
     for output in outputs:
         meta = output["meta_info"]
@@ -260,6 +286,20 @@ def _update_from_distributed(engine, metas: list[WeightMeta], group_name: str) -
              "update_weights_from_distributed")
 
 
+def _lora_result(result, what: str) -> None:
+    """The LoRA calls return a ``LoRAUpdateOutput`` instead of raising."""
+    if not result.success:
+        raise RuntimeError(f"SGLang {what} failed: {result.error_message}")
+
+
+def _load_lora(engine, name: str, path: str) -> None:
+    _lora_result(engine.load_lora_adapter(name, path), f"load_lora_adapter of {path}")
+
+
+def _unload_lora(engine, name: str) -> None:
+    _lora_result(engine.unload_lora_adapter(name), f"unload_lora_adapter of {name}")
+
+
 def _flush_cache(engine) -> bool:
     # The radix cache holds KV computed with the old weights. The scheduler refuses while requests are queued or
     # running (sglang/srt/managers/scheduler.py, Scheduler.flush_cache) and says so only in the result.
@@ -289,16 +329,31 @@ class SGLangEngine(EngineAdapter):
     any thread. ``record_routing=True`` (a MoE checkpoint only: a dense one raises ``ValueError`` here) makes
     every ``Generation`` carry ``routing``, ``[P + R, M, k]`` int16. ``weight_dtype="fp8"``: the engine serves
     blockwise FP8 from an FP8 copy of the checkpoint (``EngineAdapter``); updates are quantized on the way in.
+    ``lora_rank > 0``: SGLang's LoRA is enabled for adapters of up to that rank on the checkpoint's attention and
+    MLP projections; an update's adapter tensors (PEFT names, ``rlmega.rollout.lora_serving``) are written as a PEFT
+    directory under ``lora_dir`` (default: a directory of its own in /dev/shm) and loaded by name at the commit,
+    replacing the one before; every request then names it.
     """
 
     engine_name = "sglang"
 
     def __init__(self, model: str | os.PathLike, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 record_routing: bool = False, weight_dtype: str = "auto", **server_kwargs):
+                 record_routing: bool = False, weight_dtype: str = "auto", lora_rank: int = 0,
+                 lora_dir: str | None = None, **server_kwargs):
         self._sglang = _import_sglang()
-        server_kwargs = adapter_settings("SGLangEngine", server_kwargs, _engine_settings(record_routing))
+        if lora_rank < 0:
+            raise ValueError(f"SGLangEngine lora_rank={lora_rank}: give the adapters' rank (>= 1), or 0 for none")
+        if lora_rank and weight_dtype != "auto":
+            raise ValueError(f"SGLangEngine lora_rank={lora_rank} serves adapters onto base weights of the "
+                             f"checkpoint's dtype: weight_dtype={weight_dtype!r} must be 'auto'")
         super().__init__(model, bucket_bytes=bucket_bytes, engine_version=self._sglang.__version__,
                          record_routing=record_routing, weight_dtype=weight_dtype)
+        modules = tuple(module for module in LORA_MODULES
+                        if any(name.endswith(f".{module}.weight") for name in self.weights.shapes))
+        server_kwargs = adapter_settings("SGLangEngine", server_kwargs,
+                                         _engine_settings(record_routing, lora_rank, modules))
+        if lora_rank:
+            self._adapters = ServedAdapter(self._load_adapter, self._unload_adapter, lora_dir)
         self.keeps_weights_asleep = bool(server_kwargs.get("enable_weights_cpu_backup", False))
         self.engine = _new_engine(self._sglang, str(self.model_path), server_kwargs)
         self._loop = _EngineThread()
@@ -332,7 +387,8 @@ class SGLangEngine(EngineAdapter):
         # A pause in effect as the call starts, or asked during it, aborts it (_abort_while_paused repeats).
         pauses, paused_at_start = self._pauses, self._paused.is_set()
         return self._loop.run(_generate, self.engine, prompts, sampling, routing_shape, images,
-                              lambda: paused_at_start or self._pauses != pauses)
+                              lambda: paused_at_start or self._pauses != pauses,
+                              self._adapters and self._adapters.current)
 
     def _engine_interrupt(self, paused: threading.Event) -> None:
         self._pauses += 1
@@ -361,6 +417,15 @@ class SGLangEngine(EngineAdapter):
 
     def _engine_drop_prefix_cache(self) -> bool:
         return self._loop.run(_flush_cache, self.engine)
+
+    def _load_adapter(self, number: int, name: str, path) -> str:
+        """SGLang loads the PEFT directory under ``name`` (never reused: it refuses a name it has loaded), which
+        requests then name."""
+        self._loop.run(_load_lora, self.engine, name, str(path))
+        return name
+
+    def _unload_adapter(self, name: str) -> None:
+        self._loop.run(_unload_lora, self.engine, name)
 
     def _engine_sleep(self, level: int) -> None:
         """``release_memory_occupation`` of both; the weights survive only in the CPU backup, if enabled."""

@@ -48,7 +48,8 @@ from rlmega.rollout.engine_common import (
 )
 from rlmega.rollout.engine_lock import runs_model, serialised
 from rlmega.rollout.protocol import SamplingParams
-from rlmega.rollout.vllm_lora import AdapterFiles, max_lora_rank
+from rlmega.rollout.lora_serving import ServedAdapter
+from rlmega.rollout.vllm_lora import max_lora_rank
 from rlmega.rollout.weight_group import WeightMeta
 from rlmega.data.schema import ImageInputs
 from rlmega.data.images import keeping_sizes
@@ -373,9 +374,9 @@ class VLLMEngine(EngineAdapter):
                              f"weight_dtype={weight_dtype!r} must be 'nccl' and 'auto'")
         engine_kwargs = adapter_settings("VLLMEngine", engine_kwargs, _engine_settings(
             record_routing, weight_transfer, multimodal=self.facts.image_token_id is not None, lora_rank=lora_rank))
-        self._adapters = AdapterFiles(lora_dir) if lora_rank else None
-        self._lora_request = None  # the adapter every request applies (None: the base model alone)
-        self._loaded_adapters = 0
+        if lora_rank:
+            self._adapters = ServedAdapter(self._add_adapter,
+                                           lambda request: _remove_lora(self.llm, request.lora_int_id), lora_dir)
         self._workers = math.prod(int(engine_kwargs.get(key) or 1) for key in (
             "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"))
         self._layers: dict[str, set[str]] = {}  # vLLM layer -> the on-disk names loaded into it
@@ -393,7 +394,7 @@ class VLLMEngine(EngineAdapter):
         images = images or [None] * len(prompts)
         return _vllm_generate(self.llm, [_vllm_prompt(prompt, item, self.facts) for prompt, item in zip(prompts, images)],
                               [_vllm_sampling_params(self._vllm, p, seed) for p, seed in zip(params, seeds)],
-                              self._lora_request)
+                              self._adapters and self._adapters.current)
 
     def _engine_interrupt(self, paused: threading.Event) -> None:
         """Nothing: a running ``generate`` completes ("stop" / "length") and only later calls see the pause.
@@ -459,37 +460,21 @@ class VLLMEngine(EngineAdapter):
                                "rlmega's own transports")
         super().begin_update(version)
         self._session_names = set()
-        if self._adapters is not None:
-            self._adapters.drop_pending()  # what a failed update brought never loads
 
     @serialised
     def commit_update(self) -> None:
         """Refuses (``ValueError``, the update left torn) an update that sent part of a vLLM layer: vLLM would
         rebuild the rest of it from uninitialised memory (``vllm_layer``). An update that brought an adapter has
-        vLLM load it before the version commits (if that fails, the update is left torn)."""
+        vLLM load it before the version commits (``EngineAdapter.commit_update``)."""
         self._check_whole_layers()
-        if self._adapters is not None and self._adapters.has_pending():
-            self._book.sending()
-            self._serve_adapter(self._book.pending)
         super().commit_update()
         self._session_names = set()
 
-    def _checked_buckets(self, named_tensors):
-        if self._adapters is None:
-            return super()._checked_buckets(named_tensors)
-        return super()._checked_buckets(self._adapters.take(named_tensors))
-
-    def _serve_adapter(self, version: int) -> None:
-        """The pending adapter written, loaded as a new ``LoRARequest`` (ids never reused: vLLM keeps an adapter by
-        id), then the previous one removed."""
-        self._loaded_adapters += 1
-        name = f"rlmega-{self._loaded_adapters}-v{version}"
-        request = _lora_request(name, self._loaded_adapters, str(self._adapters.write(name)))
+    def _add_adapter(self, number: int, name: str, path):
+        """vLLM loads the PEFT directory as a new ``LoRARequest`` (its id: ``number``, never reused)."""
+        request = _lora_request(name, number, str(path))
         _add_lora(self.llm, request)
-        previous, self._lora_request = self._lora_request, request
-        if previous is not None:
-            _remove_lora(self.llm, previous.lora_int_id)
-            self._adapters.remove(previous.lora_name)
+        return request
 
     def _check_whole_layers(self) -> None:
         for layer in sorted({vllm_layer(name) for name in self._session_names}):

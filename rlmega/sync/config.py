@@ -52,8 +52,9 @@ class SyncConfig:
     one greedy generation and one forward pass of a few probe prompts."""
     lora: str = "merged"
     """A LoRA actor's sync (``actor.lora.rank > 0``). merged: every weight, with the adapters merged in
-    (``W + scale * B @ A``), into any engine. adapters: the adapters alone, in PEFT names, which vLLM applies with its
-    LoRA kernels over the base it loaded once (``rollout.backend=vllm``; rlmega/sync/README.md)."""
+    (``W + scale * B @ A``), into any engine. adapters: the adapters alone, in PEFT names, which vLLM or SGLang applies
+    with its LoRA kernels over the base it loaded once (``rollout.backend=vllm`` or ``sglang``;
+    rlmega/sync/README.md)."""
 
     def checks(self, version: int, first_version: int) -> bool:
         """Whether the sync of ``version`` runs the post-sync check (the run's first sync, ``first_version``, always)."""
@@ -98,20 +99,18 @@ class SyncConfig:
             return [("sync.lora", "adapters sends a LoRA actor's adapters, but actor.lora.rank is 0: set "
                                   "actor.lora.rank > 0, or sync.lora=merged")]
         if rollout_backend == "hf":
-            return [("sync.lora", "adapters needs vLLM's LoRA kernels, but rollout.backend is hf: set "
-                                  "sync.lora=merged (the hf engine takes the merged weights), or rollout.backend=vllm")]
-        if rollout_backend == "sglang":
-            return [("sync.lora", "adapters is built for vLLM only (rlmega's SGLang adapter does not call SGLang's "
-                                  "load_lora_adapter yet): set sync.lora=merged, or rollout.backend=vllm")]
+            return [("sync.lora", "adapters needs vLLM's or SGLang's LoRA kernels, but rollout.backend is hf: set "
+                                  "sync.lora=merged (the hf engine takes the merged weights), or rollout.backend=vllm "
+                                  "or sglang")]
         if weight_dtype != "auto":
             return [("sync.lora", f"adapters keeps the base weights the engines loaded, but rollout.weight_dtype="
                                   f"{weight_dtype} quantizes the weights a sync sends: set sync.lora=merged, or "
                                   "rollout.weight_dtype=auto")]
         experts = sorted(module for module in lora_modules if module.startswith("experts."))
         if experts:
-            return [("sync.lora", f"adapters sends attention and dense-MLP adapters to vLLM; its loading of per-expert "
-                                  f"adapters ({', '.join(experts)} in actor.lora.target_modules) is not checked yet: "
-                                  "set sync.lora=merged, or adapt no experts")]
+            return [("sync.lora", f"adapters sends attention and dense-MLP adapters to the engines; their loading of "
+                                  f"per-expert adapters ({', '.join(experts)} in actor.lora.target_modules) is not "
+                                  "checked yet: set sync.lora=merged, or adapt no experts")]
         if self.transport not in ADAPTER_TRANSPORTS:
             return [("sync.transport", f"{self.transport} moves base weights straight into the engines' layers, and "
                                        "sync.lora=adapters sends adapters: use one of "
@@ -119,7 +118,8 @@ class SyncConfig:
         return []
 
     def engine_arguments(self, lora_rank: int = 0) -> dict:
-        """What a vLLM engine must be built with for this sync: vLLM runs the weight-transfer backend it was built
-        with, and serves adapters of up to ``lora_rank`` (``actor.lora.rank``) with ``sync.lora=adapters``."""
+        """What a vLLM or SGLang engine must be built with for this sync: vLLM runs the weight-transfer backend it
+        was built with (``sharded_rdt`` is vLLM's alone), and both serve adapters of up to ``lora_rank``
+        (``actor.lora.rank``) with ``sync.lora=adapters``."""
         transfer = {"weight_transfer": SHARDED_RDT} if self.transport == SHARDED_RDT else {}
         return {**transfer, **({"lora_rank": lora_rank} if self.lora == "adapters" and lora_rank else {})}

@@ -1,5 +1,6 @@
 """``sync.lora=adapters``: a LoRA actor's weight sync that sends the adapters alone, in PEFT names, and lets the
-engines (vLLM's LoRA, ``rlmega.rollout.vllm_lora``) apply them; the base weights stay where the engines loaded them.
+engines (vLLM's or SGLang's LoRA, ``rlmega.rollout.lora_serving``) apply them; the base weights stay where the
+engines loaded them.
 
 The engines load the base from the start checkpoint. When the actor's base is no longer that checkpoint (a
 supervised warm-start folded the adapters into it: ``MegatronWorker.base_folded``), the first sync into a set of
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from rlmega.bridge.export import export_hf_buckets
 from rlmega.models import lora
 from rlmega.models.spec import ModelSpec
-from rlmega.rollout.vllm_lora import ADAPTER_CONFIG, config_tensor
+from rlmega.rollout.lora_serving import ADAPTER_CONFIG, config_tensor
 from rlmega.sync.buckets import NamedTensors, rebucket
 from rlmega.sync.gathered import GatheredTransport
 from rlmega.sync.stats import SyncStats

@@ -273,6 +273,8 @@ def _engine(config: RLConfig) -> tuple[type, dict]:
         return VLLMEngine, {"bucket_bytes": config.sync.bucket_bytes, **arguments}
     from rlmega.rollout.sglang_engine import SGLangEngine
 
+    for name, value in config.sync.engine_arguments(config.actor.lora.rank).items():  # the adapters' rank
+        arguments.setdefault(name, value)
     return SGLangEngine, {"bucket_bytes": config.sync.bucket_bytes, **arguments}
 
 

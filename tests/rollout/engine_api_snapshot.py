@@ -81,10 +81,13 @@ TARGETS = {
                 "generate", "update_weights_from_tensor", "init_weights_update_group",
                 "update_weights_from_distributed", "destroy_weights_update_group", "begin_weight_update",
                 "end_weight_update", "flush_cache", "release_memory_occupation", "resume_memory_occupation",
-                "shutdown")
+                "shutdown", "load_lora_adapter", "unload_lora_adapter")
         },
         "sglang/srt/managers/tokenizer_manager.py": {"TokenizerManager.abort_request": "signature"},
         "sglang/srt/sampling/sampling_params.py": {"SamplingParams": "fields"},
+        # rlmega.rollout.lora_serving: adapters loaded from a PEFT directory by name, their result, and requests
+        # naming the current one (Engine.generate's lora_path).
+        "sglang/srt/managers/io_struct.py": {"LoRAUpdateOutput": "fields"},
     },
 }
 
@@ -96,7 +99,8 @@ FIELD_UNIONS = {"sglang": {"ServerArgs": "sglang/srt/arg_groups/fields/"}}
 CONSTANTS = {
     "vllm": {"vllm/config/model.py": ["LogprobsMode"], "vllm/v1/engine/__init__.py": ["PauseMode"],
              "vllm/config/lora.py": ["MaxLoRARanks"]},
-    "sglang": {"sglang/srt/arg_groups/choices.py": ["DETERMINISTIC_ATTENTION_BACKEND_CHOICES"]},
+    "sglang": {"sglang/srt/arg_groups/choices.py": ["DETERMINISTIC_ATTENTION_BACKEND_CHOICES"],
+               "sglang/srt/utils/common.py": ["SUPPORTED_LORA_TARGET_MODULES"]},
 }
 
 # Environment switches: every name matching the pattern, in these files.

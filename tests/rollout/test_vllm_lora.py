@@ -8,14 +8,12 @@ import sys
 import pytest
 import torch
 
+from rlmega.rollout.lora_serving import ADAPTER_CONFIG
 from rlmega.rollout.protocol import EngineNotReadyError
-from rlmega.rollout.vllm_lora import ADAPTER_CONFIG, PEFT_PREFIX, config_tensor
 
 from .fakes import api_snapshot, contract, fake_vllm, one_thread
+from . import peft_updates as peft
 from .tiny_models import PROMPTS, checkpoint_tensors
-
-RANK, ALPHA = 4, 16.0
-MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @pytest.fixture
@@ -28,73 +26,32 @@ def make_engine(monkeypatch):
         yield lambda path, **kwargs: VLLMEngine(path, gpu_memory_utilization=0.5, **kwargs)
 
 
-def _adapter(directory, seed: int) -> dict:
-    """A random rank-4 adapter on every linear layer of the tiny checkpoint, in PEFT's names."""
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, weight in checkpoint_tensors(directory).items():
-        module = name.removesuffix(".weight")
-        if module.rsplit(".", 1)[-1] in MODULES:
-            out_features, in_features = weight.shape
-            tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = torch.randn(RANK, in_features, generator=generator) * 0.2
-            tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = torch.randn(out_features, RANK, generator=generator) * 0.2
-    return tensors
-
-
-def _config() -> dict:
-    return {"peft_type": "LORA", "r": RANK, "lora_alpha": ALPHA, "target_modules": list(MODULES), "bias": "none"}
-
-
-def _stream(tensors: dict, config: dict = None):
-    return [*tensors.items(), (ADAPTER_CONFIG, config_tensor(config or _config()))]
-
-
-def _merged(base: dict, adapter: dict) -> dict:
-    merged = dict(base)
-    for name, a in adapter.items():
-        if name.endswith(".lora_A.weight"):
-            module = name.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
-            b = adapter[f"{PEFT_PREFIX}{module}.lora_B.weight"]
-            merged[f"{module}.weight"] = base[f"{module}.weight"] + ALPHA / RANK * b @ a
-    return merged
-
-
-def _greedy(engine):
-    return [(g.response_token_ids, g.logprobs) for g in engine.generate(PROMPTS, contract.GREEDY)]
-
-
-def _assert_same(first, second):
-    for (tokens, logprobs), (other_tokens, other_logprobs) in zip(first, second, strict=True):
-        assert tokens == other_tokens
-        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(other_logprobs), atol=1e-5, rtol=0)
-
-
 def test_vllm_is_built_for_one_adapter_of_a_rank_it_has_kernels_for(make_engine, llama_dir):
     from rlmega.rollout.vllm_engine import MAX_LORA_RANKS
 
     for release in ("vllm", "vllm-0.34"):  # both supported wheels allow these ranks
         assert list(MAX_LORA_RANKS) == api_snapshot.load(release)["constants"]["MaxLoRARanks"]
-    engine = make_engine(llama_dir, lora_rank=RANK)
+    engine = make_engine(llama_dir, lora_rank=peft.RANK)
     _, _, kwargs = engine.llm.calls[0]
     assert (kwargs["enable_lora"], kwargs["max_lora_rank"], kwargs["max_loras"]) == (True, 8, 1)
     assert "enable_lora" not in make_engine(llama_dir).llm.calls[0][2]  # merged syncs: no LoRA kernels
     with pytest.raises(ValueError, match="a LoRA rank of 600 cannot be served by vLLM.*between 1 and 512"):
         make_engine(llama_dir, lora_rank=600)
     with pytest.raises(ValueError, match="lora_rank=4 .* weight_dtype='fp8' must be 'nccl' and 'auto'"):
-        make_engine(llama_dir, lora_rank=RANK, weight_dtype="fp8")
+        make_engine(llama_dir, lora_rank=peft.RANK, weight_dtype="fp8")
 
 
 def test_an_adapter_update_generates_as_the_merged_weights_do(make_engine, llama_dir, tmp_path):
     base = checkpoint_tensors(llama_dir)
-    engine = make_engine(llama_dir, lora_rank=RANK, lora_dir=str(tmp_path / "adapters"))
+    engine = make_engine(llama_dir, lora_rank=peft.RANK, lora_dir=str(tmp_path / "adapters"))
     merged_engine = make_engine(llama_dir)
-    before = _greedy(engine)
+    before = peft.greedy(engine)
     for version, seed in ((1, 0), (2, 1)):
-        adapter = _adapter(llama_dir, seed)
-        engine.update_weights(_stream(adapter), version)
-        merged_engine.update_weights(list(_merged(base, adapter).items()), version)
-        served = _greedy(engine)
-        _assert_same(served, _greedy(merged_engine))
+        adapter = peft.adapter(llama_dir, seed)
+        engine.update_weights(peft.stream(adapter), version)
+        merged_engine.update_weights(list(peft.merged(base, adapter).items()), version)
+        served = peft.greedy(engine)
+        peft.assert_same(served, peft.greedy(merged_engine))
         assert engine.weight_version() == version
     assert served != before  # the adapter changes what the engine generates
     # Adapters alone: vLLM's weight-update session never opened, the base never moved.
@@ -103,7 +60,8 @@ def test_an_adapter_update_generates_as_the_merged_weights_do(make_engine, llama
     assert engine.llm.llm_engine.list_loras() == {2}
     first, second = engine.llm.llm_engine.loads
     assert [p.name for p in (tmp_path / "adapters").iterdir()] == [second.rsplit("/", 1)[-1]]
-    assert json.loads((tmp_path / "adapters" / second.rsplit("/", 1)[-1] / ADAPTER_CONFIG).read_text())["r"] == RANK
+    written = tmp_path / "adapters" / second.rsplit("/", 1)[-1] / ADAPTER_CONFIG
+    assert json.loads(written.read_text())["r"] == peft.RANK
     requests = engine.llm.llm_engine.requests  # every request names the adapter of its version (none before)
     assert requests[0] is None and requests[-1].lora_int_id == 2 and requests[-1].lora_path == second
 
@@ -111,42 +69,42 @@ def test_an_adapter_update_generates_as_the_merged_weights_do(make_engine, llama
 def test_base_weights_and_adapter_in_one_update(make_engine, llama_dir, llama_other_dir):
     # After a warm-start folded the adapters into the base, the first sync carries that base with the adapter.
     folded = checkpoint_tensors(llama_other_dir)
-    engine = make_engine(llama_dir, lora_rank=RANK)
+    engine = make_engine(llama_dir, lora_rank=peft.RANK)
     merged_engine = make_engine(llama_dir)
-    adapter = _adapter(llama_dir, 2)
-    engine.update_weights([*folded.items(), *_stream(adapter)], 1)
-    merged_engine.update_weights(list(_merged(folded, adapter).items()), 1)
-    _assert_same(_greedy(engine), _greedy(merged_engine))
-    adapter = _adapter(llama_dir, 3)  # then adapters alone, over the folded base
-    engine.update_weights(_stream(adapter), 2)
-    merged_engine.update_weights(list(_merged(folded, adapter).items()), 2)
-    _assert_same(_greedy(engine), _greedy(merged_engine))
+    adapter = peft.adapter(llama_dir, 2)
+    engine.update_weights([*folded.items(), *peft.stream(adapter)], 1)
+    merged_engine.update_weights(list(peft.merged(folded, adapter).items()), 1)
+    peft.assert_same(peft.greedy(engine), peft.greedy(merged_engine))
+    adapter = peft.adapter(llama_dir, 3)  # then adapters alone, over the folded base
+    engine.update_weights(peft.stream(adapter), 2)
+    merged_engine.update_weights(list(peft.merged(folded, adapter).items()), 2)
+    peft.assert_same(peft.greedy(engine), peft.greedy(merged_engine))
 
 
 def test_an_update_without_its_adapter_config_is_refused_and_left_torn(make_engine, llama_dir):
-    engine = make_engine(llama_dir, lora_rank=RANK)
+    engine = make_engine(llama_dir, lora_rank=peft.RANK)
     with pytest.raises(ValueError, match="the update's adapter is incomplete: it carried 28 adapter tensors and no "
                                          "adapter_config.json"):
-        engine.update_weights(list(_adapter(llama_dir, 0).items()), 1)
+        engine.update_weights(list(peft.adapter(llama_dir, 0).items()), 1)
     with pytest.raises(EngineNotReadyError, match="the update to weight version 1 failed part way"):
         engine.generate(PROMPTS, contract.GREEDY)
 
 
 def test_vllm_refuses_an_adapter_above_its_max_rank(make_engine, llama_dir):
-    engine = make_engine(llama_dir, lora_rank=RANK)  # max_lora_rank 8
+    engine = make_engine(llama_dir, lora_rank=peft.RANK)  # max_lora_rank 8
     generator = torch.Generator().manual_seed(0)
     adapter = {name: torch.randn(16, t.shape[1], generator=generator) if ".lora_A." in name else
-               torch.randn(t.shape[0], 16, generator=generator) for name, t in _adapter(llama_dir, 0).items()}
+               torch.randn(t.shape[0], 16, generator=generator) for name, t in peft.adapter(llama_dir, 0).items()}
     with pytest.raises(ValueError, match="LoRA rank 16 is greater than max_lora_rank 8"):
-        engine.update_weights(_stream(adapter, {**_config(), "r": 16}), 1)
+        engine.update_weights(peft.stream(adapter, {**peft.config(), "r": 16}), 1)
     assert not engine.health()["ready"]
 
 
 def test_the_adapter_of_a_failed_update_never_loads(make_engine, llama_dir):
-    engine = make_engine(llama_dir, lora_rank=RANK)
+    engine = make_engine(llama_dir, lora_rank=peft.RANK)
 
     def failing():
-        yield from _stream(_adapter(llama_dir, 0))
+        yield from peft.stream(peft.adapter(llama_dir, 0))
         raise RuntimeError("the sender failed")
 
     with pytest.raises(RuntimeError, match="the sender failed"):

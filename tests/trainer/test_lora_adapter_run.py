@@ -1,7 +1,7 @@
-"""A two-step GRPO run of a LoRA actor on Ray with vLLM engines (the fake vllm 0.33 of tests/rollout/fakes, installed
-as ``vllm`` in every process of the run) and ``sync.lora=adapters``: each sync sends the adapters alone, far fewer
-bytes than the model, and the post-sync check finds the engine's log-probs equal to the trainer's (the fake computes
-in fp32 and applies the adapter it loads)."""
+"""A two-step GRPO run of a LoRA actor on Ray with vLLM or SGLang engines (the fake vllm 0.33 or sglang 0.5.23 of
+tests/rollout/fakes, installed as ``vllm`` / ``sglang`` in every process of the run) and ``sync.lora=adapters``: each
+sync sends the adapters alone, far fewer bytes than the model, and the post-sync check finds the engine's log-probs
+equal to the trainer's (the fakes compute in fp32 and apply the adapter they load)."""
 
 import os
 
@@ -10,11 +10,19 @@ from safetensors import safe_open
 
 from tests.trainer.test_trainer_runs import ROOT, _rows, _train
 
-SHIM = """import sys
+SHIMS = {
+    "vllm": """import sys
 from tests.rollout.fakes import fake_vllm
 sys.modules["vllm.lora.request"] = fake_vllm.lora_request_module
 sys.modules["vllm"] = fake_vllm
-"""
+""",
+    "sglang": """import sys
+from tests.rollout.fakes import fake_sglang
+sys.modules["sglang"] = fake_sglang
+""",
+}
+# Colocated engines sleep at level 1 between syncs, which SGLang does only with a CPU copy of the weights.
+ENGINE_SETTINGS = {"vllm": [], "sglang": ["+rollout.engine_kwargs.enable_weights_cpu_backup=true"]}
 
 
 @pytest.fixture(scope="module")
@@ -23,15 +31,16 @@ def assets(tiny_assets):
 
 
 @pytest.mark.timeout(600)
-def test_a_grpo_run_syncs_the_adapters_alone_into_vllm(tmp_path, assets):
-    shim = tmp_path / "shim" / "vllm"
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_a_grpo_run_syncs_the_adapters_alone_into_the_engines(tmp_path, assets, backend):
+    shim = tmp_path / "shim" / backend
     shim.mkdir(parents=True)
-    (shim / "__init__.py").write_text(SHIM)
+    (shim / "__init__.py").write_text(SHIMS[backend])
     path = os.pathsep.join(filter(None, [str(shim.parent), str(ROOT), os.environ.get("PYTHONPATH")]))
     run_dir = tmp_path / "run"
-    result = _train(run_dir, assets, "rollout.backend=vllm", "actor.lora.rank=4", "sync.lora=adapters",
+    result = _train(run_dir, assets, f"rollout.backend={backend}", "actor.lora.rank=4", "sync.lora=adapters",
                     "trainer.total_steps=2", "sync.post_sync_atol=1e-3", "actor.policy_loss.entropy_coeff=0.01",
-                    timeout_s=540, env={"PYTHONPATH": path})
+                    *ENGINE_SETTINGS[backend], timeout_s=540, env={"PYTHONPATH": path})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = _rows(run_dir)
     assert [row["step"] for row in rows] == [1, 2]

@@ -39,6 +39,9 @@ pre-processed data), each run of the image pad token is one image (get_mm_items_
 ``pixel_values`` are split by ``image_grid_thw`` (get_new_expanded_mm_items): where runs, grids and patches
 disagree SGLang silently keeps the bundle (features misplaced), so the fake raises. What the model sees is in
 ``mm_requests`` (per ``generate`` call, per request: None or its ``offsets``, ``pixel_values``, ``image_grid_thw``).
+
+LoRA (``fake_sglang_lora``): with ``enable_lora`` the engine takes PEFT adapters by ``load_lora_adapter`` and applies
+the one each request names in ``generate(..., lora_path=...)`` (``W + scale * B @ A``).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ import torch
 from rlmega.rollout.weight_group import init_weight_update_group, receive_weights
 
 from . import api_snapshot
+from .fake_sglang_lora import FakeSGLangLoRA
 from .tiny_backend import TinyCausalLM
 from .vision import pad_runs, vision_of
 
@@ -132,6 +136,7 @@ class Engine:
         self._rids = itertools.count()
         self.calls: list[tuple] = [("__init__", dict(kwargs))]
         self.model = TinyCausalLM(kwargs["model_path"])
+        self.lora = FakeSGLangLoRA(self.model, kwargs)
         self.vision = vision_of(kwargs["model_path"])
         self.mm_requests: list[list] = []
         self._eos = _eos_ids(kwargs["model_path"])
@@ -157,9 +162,11 @@ class Engine:
 
     @checked("Engine.generate")
     def generate(self, prompt=None, sampling_params=None, input_ids=None, image_data=None, return_logprob=False,
-                 logprob_start_len=None, return_routed_experts=False, routed_experts_start_len=0, **_):
+                 logprob_start_len=None, lora_path=None, return_routed_experts=False, routed_experts_start_len=0,
+                 **_):
         if self._released:
             raise RuntimeError("generate called while memory is released")
+        adapters = self.lora.per_request(lora_path, len(input_ids))
         self.mm_requests.append(self._images(input_ids, image_data))
         for params in sampling_params:
             api_snapshot.check_fields(API, "SamplingParams", params)
@@ -168,7 +175,8 @@ class Engine:
         # RoutedExpertsCapturer.create: no capturer unless the server argument is set.
         routing_start = routed_experts_start_len if (
             return_routed_experts and self.server_args.get("enable_return_routed_experts")) else None
-        return self._run(self._in_scheduler(self.loop, input_ids, sampling_params, return_logprob, routing_start))
+        return self._run(self._in_scheduler(self.loop, input_ids, sampling_params, return_logprob, routing_start,
+                                            adapters))
 
     def _images(self, input_ids, image_data) -> list:
         """Per request None or what its images become (see the docstring)."""
@@ -217,12 +225,12 @@ class Engine:
         return {"offsets": [(start, start + length - 1) for start, length in runs],
                 "pixel_values": list(pixels.split(sizes)), "image_grid_thw": grid}
 
-    async def _in_scheduler(self, loop, input_ids, sampling_params, return_logprob, routing_start):
+    async def _in_scheduler(self, loop, input_ids, sampling_params, return_logprob, routing_start, adapters):
         requests = [(str(next(self._rids)), ids, params, threading.Event())
                     for ids, params in zip(input_ids, sampling_params)]
         self.tokenizer_manager.rid_to_state.update({rid: to_abort for rid, _, _, to_abort in requests})
         try:
-            return await loop.run_in_executor(None, self._decode, requests, return_logprob, routing_start)
+            return await loop.run_in_executor(None, self._decode, requests, return_logprob, routing_start, adapters)
         finally:
             for rid, _, _, _ in requests:
                 del self.tokenizer_manager.rid_to_state[rid]
@@ -235,43 +243,48 @@ class Engine:
         rows = self.model.routed_experts(sequence[:len(sequence) + form["rows_end_offset"]])[start:]
         return base64.b64encode(rows.astype(form["dtype"]).tobytes()).decode("utf-8")
 
-    def _decode(self, requests, return_logprob, routing_start=None):
+    def _decode(self, requests, return_logprob, routing_start=None, adapters=None):
         outputs = []
-        for rid, ids, params, to_abort in requests:
-            if routing_start is not None and not 0 <= routing_start <= len(ids):
-                # api/rules.json rejection_raised_by_generate: the scheduler rejects it (status 400), and a
-                # non-streaming generate raises the message for the whole batch.
-                assert api_snapshot.rule("sglang", "rejection_raised_by_generate")["raises_for_status"] == 400
-                raise ValueError(api_snapshot.refusal(  # status 400: a ValueError; others an HTTPException
-                    "sglang", "rejection_raised_by_generate", "above_prompt" if routing_start > 0 else "below_zero",
-                    start=routing_start, length=len(ids)))
-            if to_abort.is_set():  # still queued: popped from the waiting queue (tokenizer_manager.py:3577-3600)
-                outputs.append({"text": "", "meta_info": {
-                    "id": rid, "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
-                    "prompt_tokens": 0, "completion_tokens": 0}})
-                continue
-            temperature, top_k = params.get("temperature", 1.0), params.get("top_k", -1)
-            if 0 <= temperature < 1e-6:
-                temperature, top_k = 1.0, 1
-            seed = params.get("sampling_seed", 42) if self.server_args.get("enable_deterministic_inference") else None
-            stop_ids = set() if params.get("ignore_eos") else set(params.get("stop_token_ids") or []) | self._eos
-            for _ in range(params.get("n", 1)):  # parallel samples share the seed
-                tokens, logprobs, reason = self.model.decode(
-                    ids, max_tokens=params.get("max_new_tokens", 128), stop_ids=stop_ids, temperature=temperature,
-                    top_k=top_k, top_p=params.get("top_p", 1.0), seed=seed,
-                    logprobs_of="raw" if self._raw_logprobs else "scaled", aborted=to_abort.is_set,
-                    stop_first=STOP_FIRST)
-                finish = {"stop": {"type": "stop", "matched": tokens[-1]},
-                          "length": {"type": "length", "length": params.get("max_new_tokens", 128)},
-                          "abort": {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None},
-                          }[reason]
-                meta = {"id": str(rid), "finish_reason": finish, "prompt_tokens": len(ids),
-                        "completion_tokens": len(tokens), "cached_tokens": 0}
-                if return_logprob:
-                    meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(logprobs, tokens)]
-                if routing_start is not None:
-                    meta["routed_experts"] = self._routed_experts(ids, tokens, routing_start)
-                outputs.append({"output_ids": tokens, "meta_info": meta})
+        for (rid, ids, params, to_abort), adapter in zip(requests, adapters or [None] * len(requests)):
+            with self.lora.applied(adapter):
+                outputs.extend(self._decode_one(rid, ids, params, to_abort, return_logprob, routing_start))
+        return outputs
+
+    def _decode_one(self, rid, ids, params, to_abort, return_logprob, routing_start):
+        if routing_start is not None and not 0 <= routing_start <= len(ids):
+            # api/rules.json rejection_raised_by_generate: the scheduler rejects it (status 400), and a
+            # non-streaming generate raises the message for the whole batch.
+            assert api_snapshot.rule("sglang", "rejection_raised_by_generate")["raises_for_status"] == 400
+            raise ValueError(api_snapshot.refusal(  # status 400: a ValueError; others an HTTPException
+                "sglang", "rejection_raised_by_generate", "above_prompt" if routing_start > 0 else "below_zero",
+                start=routing_start, length=len(ids)))
+        if to_abort.is_set():  # still queued: popped from the waiting queue (tokenizer_manager.py:3577-3600)
+            return [{"text": "", "meta_info": {
+                "id": rid, "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+                "prompt_tokens": 0, "completion_tokens": 0}}]
+        outputs = []
+        temperature, top_k = params.get("temperature", 1.0), params.get("top_k", -1)
+        if 0 <= temperature < 1e-6:
+            temperature, top_k = 1.0, 1
+        seed = params.get("sampling_seed", 42) if self.server_args.get("enable_deterministic_inference") else None
+        stop_ids = set() if params.get("ignore_eos") else set(params.get("stop_token_ids") or []) | self._eos
+        for _ in range(params.get("n", 1)):  # parallel samples share the seed
+            tokens, logprobs, reason = self.model.decode(
+                ids, max_tokens=params.get("max_new_tokens", 128), stop_ids=stop_ids, temperature=temperature,
+                top_k=top_k, top_p=params.get("top_p", 1.0), seed=seed,
+                logprobs_of="raw" if self._raw_logprobs else "scaled", aborted=to_abort.is_set,
+                stop_first=STOP_FIRST)
+            finish = {"stop": {"type": "stop", "matched": tokens[-1]},
+                      "length": {"type": "length", "length": params.get("max_new_tokens", 128)},
+                      "abort": {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None},
+                      }[reason]
+            meta = {"id": str(rid), "finish_reason": finish, "prompt_tokens": len(ids),
+                    "completion_tokens": len(tokens), "cached_tokens": 0}
+            if return_logprob:
+                meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(logprobs, tokens)]
+            if routing_start is not None:
+                meta["routed_experts"] = self._routed_experts(ids, tokens, routing_start)
+            outputs.append({"output_ids": tokens, "meta_info": meta})
         return outputs
 
     @checked("Engine.begin_weight_update")
@@ -341,6 +354,16 @@ class Engine:
         self.model.load_weights(receive_weights(self._groups[group_name], list(zip(names, dtypes, shapes)), "cpu"))
         return self._run(self._now((True, "Succeeded to update parameter online.")))
 
+    @checked("Engine.load_lora_adapter")
+    def load_lora_adapter(self, lora_name, lora_path, pinned=False):
+        self.calls.append(("load_lora_adapter", lora_name, lora_path, pinned))
+        return self._run(self._now(self.lora.load(lora_name, lora_path)))
+
+    @checked("Engine.unload_lora_adapter")
+    def unload_lora_adapter(self, lora_name):
+        self.calls.append(("unload_lora_adapter", lora_name))
+        return self._run(self._now(self.lora.unload(lora_name)))
+
     @checked("Engine.flush_cache")
     def flush_cache(self):
         """``api/rules.json`` flush_cache_while_busy: refused (success False, the cache kept) while requests are
@@ -351,6 +374,7 @@ class Engine:
             message = api_snapshot.refusal("sglang", "flush_cache_while_busy", queued=0, running=1)
             return self._run(self._now(FlushCacheReqOutput(success=False, message=message)))
         self.model.prefix_cache.clear()
+        self.lora.caches.clear()  # one radix tree, its keys carrying the adapter
         return self._run(self._now(FlushCacheReqOutput(success=True)))
 
     @checked("Engine.release_memory_occupation")
@@ -366,6 +390,7 @@ class Engine:
                 p.data.fill_(float("nan"))
         if "kv_cache" in tags:
             self.model.prefix_cache.clear()
+            self.lora.caches.clear()
         self._released.update(tags)
         self._run(self._now(None))
 

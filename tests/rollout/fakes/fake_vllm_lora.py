@@ -4,30 +4,26 @@ given as ``request_module``), ``LLM.llm_engine``'s ``add_lora`` / ``remove_lora`
 (vllm/v1/engine/llm_engine.py), and the adapter applied to every request that names it: the PEFT directory read as
 vLLM reads it (vllm/lora/peft_helper.py: ``r``, ``lora_alpha``, scale ``alpha / r``, a rank above
 ``max_lora_rank`` refused; vllm/lora/lora_model.py: adapter_model.safetensors, a module the model takes no adapter
-for refused) and the model computing with ``W + scale * B @ A`` for the request (vLLM's kernels add
-``scale * B (A x)``: the same product)."""
+for refused) and the model computing with ``W + scale * B @ A`` for the request (``lora_math``)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors.torch import load_file
 
-from . import api_snapshot
+from . import api_snapshot, lora_math
 
 API = api_snapshot.load("vllm")
 checked = functools.partial(api_snapshot.checked, API)
 # vllm/model_executor/models/llama.py and qwen2.py: the LoRA modules (qkv_proj, o_proj, gate_up_proj, down_proj)
 # with the packed ones under their checkpoint names (vllm/lora/worker_manager.py _load_adapter).
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-PREFIX = "base_model.model."
 
 
 @dataclass
@@ -79,7 +75,7 @@ class FakeLoRA:
         return True
 
     def _read(self, path: Path) -> dict[str, torch.Tensor]:
-        config = json.loads((path / "adapter_config.json").read_text())
+        config = lora_math.read_config(path)
         missing = [key for key in ("r", "lora_alpha", "target_modules") if key not in config]
         if missing:  # vllm/lora/peft_helper.py from_dict
             raise ValueError(f"Missing required configuration fields: {missing}")
@@ -87,20 +83,12 @@ class FakeLoRA:
             raise ValueError(f"LoRA rank {config['r']} is greater than max_lora_rank {self.max_rank}.")
         if config.get("bias", "none") != "none":
             raise ValueError("Adapter bias is not supported.")
-        scale = config["lora_alpha"] / config["r"]
-        tensors = load_file(path / "adapter_model.safetensors")
-        unexpected = sorted(name for name in tensors
-                            if name.removesuffix(".weight").rsplit(".", 2)[-2] not in LORA_MODULES)
+        tensors = lora_math.read_tensors(path)
+        unexpected = sorted(name for name in tensors if lora_math.module_of(name) not in LORA_MODULES)
         if unexpected:  # vllm/lora/lora_model.py from_local_checkpoint
             raise ValueError(f"While loading {path}, expected target modules in {set(LORA_MODULES)} but received "
                              f"{unexpected}. Please verify that the loaded LoRA module is correct")
-        deltas = {}
-        for name, a in tensors.items():
-            if name.endswith(".lora_A.weight"):
-                module = name.removeprefix(PREFIX).removesuffix(".lora_A.weight")
-                b = tensors[f"{PREFIX}{module}.lora_B.weight"]
-                deltas[f"{module}.weight"] = scale * (b.float() @ a.float())
-        return deltas
+        return lora_math.deltas(config, tensors)
 
     @checked("LLMEngine.remove_lora")
     def remove_lora(self, lora_id: int) -> bool:
@@ -125,17 +113,6 @@ class FakeLoRA:
         self._require_enabled()
         if request.lora_int_id not in self.adapters:
             self.add(request)
-        weight_map, saved = self.model.weight_map, []
-        base_cache = self.model.prefix_cache
-        self.model.prefix_cache = self.caches.setdefault(request.lora_int_id, {})
-        try:
-            for name, delta in self.adapters[request.lora_int_id].items():
-                target = weight_map.resolve(name)
-                param = weight_map.tensors[target.tensor_name]
-                saved.append((param, target.index, param.data[target.index].clone()))
-                param.data[target.index] += delta.to(param.dtype)
+        with lora_math.applied(self.model, self.adapters[request.lora_int_id],
+                               self.caches.setdefault(request.lora_int_id, {})):
             yield
-        finally:
-            for param, index, original in reversed(saved):
-                param.data[index].copy_(original)
-            self.model.prefix_cache = base_cache
