@@ -34,6 +34,7 @@ from rlmega.config.engine_layout import layout_problems
 from rlmega.config.engine_sampling import sampling_problems, sampling_warnings
 from rlmega.config.explain import explain, extra_keys, no_such_field
 from rlmega.config.schema import RLConfig
+from rlmega.config.frozen_checkpoint import frozen_checkpoint_problem
 from rlmega.config.teacher_checks import check_teacher_inputs, teacher_problems
 from rlmega.errors import UserError
 
@@ -356,26 +357,14 @@ def _load_tokenizer(field: str, source: str):
 def _check_reward_model(config: RLConfig) -> None:
     """The reward model: a one-label sequence-classification checkpoint that fits its layout, a tokenizer,
     and a chat template wherever the response must be re-tokenised."""
-    from rlmega.bridge import HFCheckpoint
-    from rlmega.models import UnsupportedModelError, model_spec_from_hf
-    from rlmega.parallel.layout import LayoutError
     from rlmega.rewards import same_tokenization
-    from rlmega.workers.model import check_head
 
     reward = config.reward_model
     if not reward.enable:
         return
-    _check_hf_dir("reward_model.path", reward.path, "reward model")
-    try:
-        spec = model_spec_from_hf(reward.path)
-        check_head(spec, "reward")
-        HFCheckpoint(reward.path)  # a missing or damaged safetensors file, named
-    except (UnsupportedModelError, ValueError, FileNotFoundError) as error:
-        raise ConfigError(f"reward_model.path: {error}") from None
-    try:
-        spec.check_layout(reward.layout.build())
-    except LayoutError as error:
-        raise ConfigError(f"reward_model.layout: {error}") from error
+    problem = frozen_checkpoint_problem("reward_model", reward.path, reward.layout, "reward")
+    if problem:
+        raise ConfigError(f"{problem[0]}: {problem[1]}")
     _require(reward.cpus_per_rank > 0, "reward_model.cpus_per_rank", "must be > 0")
     _check_model_scores("reward_model", reward)
     field = "reward_model.tokenizer_path" if reward.tokenizer_path else "reward_model.path"

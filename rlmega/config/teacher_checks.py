@@ -10,8 +10,9 @@ not supported.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any, Optional
+
+from rlmega.config.frozen_checkpoint import frozen_checkpoint_problem
 
 DTYPES = (None, "bf16", "fp32")
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -56,28 +57,14 @@ def check_teacher_inputs(config, error: type[Exception]) -> None:
     """Raise ``error`` naming the first teacher whose checkpoint, layout or tokenizer cannot serve the run."""
     from transformers import AutoTokenizer
 
-    from rlmega.bridge import HFCheckpoint
-    from rlmega.models import UnsupportedModelError, model_spec_from_hf
-    from rlmega.parallel.layout import LayoutError
-    from rlmega.workers.model import check_head
-
     if not config.teacher.enable:
         return
     student_source = config.model.tokenizer_path or config.model.path
     student = AutoTokenizer.from_pretrained(student_source)
     for section, settings in _sections(config):
-        if not (Path(settings.path) / "config.json").is_file():
-            raise error(f"{section}.path: no HF checkpoint (config.json) at {settings.path}; the teacher needs one")
-        try:
-            spec = model_spec_from_hf(settings.path)
-            check_head(spec, "teacher")
-            HFCheckpoint(settings.path)  # a missing or damaged safetensors file, named
-        except (UnsupportedModelError, ValueError, FileNotFoundError) as problem:
-            raise error(f"{section}.path: {problem}") from None
-        try:
-            spec.check_layout(settings.layout.build())
-        except LayoutError as problem:
-            raise error(f"{section}.layout: {problem}") from None
+        problem = frozen_checkpoint_problem(section, settings.path, settings.layout, "teacher")
+        if problem:
+            raise error(f"{problem[0]}: {problem[1]}")
         field = f"{section}.tokenizer_path" if settings.tokenizer_path else f"{section}.path"
         source = settings.tokenizer_path or settings.path
         try:
