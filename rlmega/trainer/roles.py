@@ -160,7 +160,7 @@ class CriticGroup:
 
 class RewardModelGroup:
     """A discriminative reward model (an HF ``*ForSequenceClassification`` checkpoint) on ranks of its own
-    (``TrainingRanks.for_reward_model``). Safe to call from several threads: calls are serialised, so
+    (``TrainingRanks.for_frozen_model``). Safe to call from several threads: calls are serialised, so
     every rank receives the collective calls in the same order."""
 
     def __init__(self, ranks: RankCalls):

@@ -232,7 +232,9 @@ def test_policy_head_applies_the_bypass_correction_per_micro_batch(monkeypatch, 
     """The actor's loss head in bypass mode (the batch carries the correction): the same loss and gradient as
     verl's bypass mode by hand, and the correction's metrics among the head's."""
     expected_loss, expected_gradient = _verl_bypass(loss_type)
-    monkeypatch.setattr(heads, "_logprobs", lambda micro_batch, output, *args: (output, torch.zeros_like(output)))
+    # The "logits" given are the log-probs themselves: the head's rows are the output, its log-probs those rows.
+    monkeypatch.setattr(heads, "_scaled_rows", lambda micro_batch, output, logit_scale: output)
+    monkeypatch.setattr(heads, "_row_logprobs", lambda micro_batch, rows, *args: (rows, torch.zeros_like(rows)))
     prompt = torch.tensor([5, 6])
     batch = SequenceBatch(
         [torch.cat([prompt, torch.tensor([1, 2, 3])]), torch.cat([prompt, torch.tensor([4, 5, 6])])], [2, 2],
