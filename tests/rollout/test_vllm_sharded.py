@@ -46,6 +46,7 @@ def _sync_on_rank(rank, world_size, layout, hf_dir, other_dir, folder, replicas,
     os.environ["RLMEGA_FAKE_RDT_DIR"] = folder
     sys.modules.update(fake_vllm_weight_transfer.modules())
     _the_fake_stands_in_for_nixl()
+    from rlmega.models.lora import LoraConfig
     from rlmega.rollout.vllm_engine import VLLMEngine
     from rlmega.sync.vllm_sharded import ShardedSync
     from rlmega.trainer.training_group import RankProcess
@@ -64,7 +65,8 @@ def _sync_on_rank(rank, world_size, layout, hf_dir, other_dir, folder, replicas,
         process.rank, process.spec, process.weight_sync, process.sliced_setup = rank, spec, None, None
         process.engine_weight_dtype = "auto"
         process.sync_config, process.post_sync_atol = SyncConfig(transport="sharded_rdt", timeout_s=120), 1e-3
-        process.workers = {"actor": types.SimpleNamespace(chunks=chunks)}
+        actor = types.SimpleNamespace(chunks=chunks, config=types.SimpleNamespace(lora=LoraConfig()))  # no LoRA
+        process.workers = {"actor": actor}
         process.connect_engines(engines)  # the transport is chosen here, once
         push = process.push_weights  # rank 0's stats, None elsewhere
     else:
