@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from rlmega.rollout.lora_serving import ADAPTER_CONFIG
-from rlmega.rollout.protocol import EngineNotReadyError
 
 from . import peft_updates as peft
 from .fakes import contract, fake_sglang, one_thread
@@ -70,28 +69,12 @@ def test_an_adapter_update_generates_as_the_merged_weights_do(make_engine, llama
 
 
 def test_base_weights_and_adapter_in_one_update(make_engine, llama_dir, llama_other_dir):
-    # After a warm-start folded the adapters into the base, the first sync carries that base with the adapter.
-    folded = checkpoint_tensors(llama_other_dir)
-    engine = make_engine(llama_dir, lora_rank=peft.RANK)
-    merged_engine = make_engine(llama_dir)
-    adapter = peft.adapter(llama_dir, 2)
-    engine.update_weights([*folded.items(), *peft.stream(adapter)], 1)
-    merged_engine.update_weights(list(peft.merged(folded, adapter).items()), 1)
-    peft.assert_same(peft.greedy(engine), peft.greedy(merged_engine))
+    engine = peft.check_base_weights_and_adapter_in_one_update(make_engine, llama_dir, llama_other_dir)
     assert _calls(engine, "begin_weight_update")  # the base went through SGLang's update session
-    adapter = peft.adapter(llama_dir, 3)  # then adapters alone, over the folded base
-    engine.update_weights(peft.stream(adapter), 2)
-    merged_engine.update_weights(list(peft.merged(folded, adapter).items()), 2)
-    peft.assert_same(peft.greedy(engine), peft.greedy(merged_engine))
 
 
 def test_an_update_without_its_adapter_config_is_refused_and_left_torn(make_engine, llama_dir):
-    engine = make_engine(llama_dir, lora_rank=peft.RANK)
-    with pytest.raises(ValueError, match="the update's adapter is incomplete: it carried 28 adapter tensors and no "
-                                         "adapter_config.json"):
-        engine.update_weights(list(peft.adapter(llama_dir, 0).items()), 1)
-    with pytest.raises(EngineNotReadyError, match="the update to weight version 1 failed part way"):
-        engine.generate(PROMPTS, contract.GREEDY)
+    peft.check_an_adapter_without_its_config_is_refused_and_left_torn(make_engine, llama_dir)
 
 
 def test_sglang_refuses_an_adapter_above_its_max_rank(make_engine, llama_dir):
