@@ -277,3 +277,37 @@ class RecordedTakes:
             return rollouts
 
         trainer.schedule.take = recorded
+
+
+class _RemoteMethod:
+    def __init__(self, function):
+        self.remote = function
+
+
+class _InProcessHandle:
+    """What the groups see of a rank: ``handle.method.remote(...)``, here answered at once."""
+
+    def __init__(self, process):
+        self._process = process
+
+    def __getattr__(self, name):
+        return _RemoteMethod(getattr(self._process, name))
+
+
+def in_process_ranks(processes):
+    """``RankCalls`` over ``RankProcess`` objects in this process (no Ray): the role groups' calls reach them at
+    once; ``shutdown`` is recorded (``.shut``)."""
+    from rlmega.trainer.training_group import RankCalls
+
+    class InProcessRanks(RankCalls):
+        def __init__(self):
+            self.handles = [_InProcessHandle(process) for process in processes]
+            self.shut = False
+
+        def _on_ranks(self, call, what, timeout_s=None):
+            return [call(handle) for handle in self.handles]
+
+        def shutdown(self):
+            self.shut = True
+
+    return InProcessRanks()

@@ -4,9 +4,11 @@ and the frozen reward model is neither offloaded with the trained roles nor chec
 import torch
 
 from rlmega.trainer.roles import RewardModel, RewardModelGroup
-from rlmega.trainer.training_group import RankCalls, RankProcess
+from rlmega.trainer.training_group import RankProcess
 from rlmega.workers.batching import SequenceBatch
 from rlmega.workers.config import WorkerConfig
+
+from .fakes import in_process_ranks
 
 
 class _Worker:
@@ -25,29 +27,6 @@ class _Worker:
         return root
 
 
-class _Method:
-    def __init__(self, function):
-        self.remote = function
-
-
-class _Handle:
-    """What the groups see of a rank: ``handle.method.remote(...)``, here answered at once."""
-
-    def __init__(self, process: RankProcess):
-        self._process = process
-
-    def __getattr__(self, name):
-        return _Method(getattr(self._process, name))
-
-
-class _Ranks(RankCalls):
-    def __init__(self, processes):
-        self.handles = [_Handle(process) for process in processes]
-
-    def _on_ranks(self, call, what, timeout_s=None):
-        return [call(handle) for handle in self.handles]
-
-
 def _processes():
     processes = [RankProcess(rank, 2) for rank in range(2)]
     for process in processes:
@@ -58,7 +37,7 @@ def _processes():
 
 def test_score_calls_every_rank_and_returns_rank_0s_scores():
     processes = _processes()
-    group: RewardModel = RewardModelGroup(_Ranks(processes))
+    group: RewardModel = RewardModelGroup(in_process_ranks(processes))
     batch = SequenceBatch([torch.arange(5), torch.arange(3)], [2, 1])
     assert torch.equal(group.score(batch), torch.zeros(2))
     assert all(process.workers["reward"].batches == [batch] for process in processes)

@@ -5,9 +5,11 @@ import pytest
 import torch
 
 from rlmega.trainer.roles import Teacher, TeacherGroup, Teachers
-from rlmega.trainer.training_group import RankCalls, RankProcess
+from rlmega.trainer.training_group import RankProcess
 from rlmega.workers.batching import SequenceBatch
 from rlmega.workers.config import WorkerConfig
+
+from .fakes import in_process_ranks
 
 
 class _Worker:
@@ -25,31 +27,6 @@ class _Worker:
                 [torch.zeros(n, k) for n in batch.response_lengths])
 
 
-class _Method:
-    def __init__(self, function):
-        self.remote = function
-
-
-class _Handle:
-    def __init__(self, process: RankProcess):
-        self._process = process
-
-    def __getattr__(self, name):
-        return _Method(getattr(self._process, name))
-
-
-class _Ranks(RankCalls):
-    def __init__(self, processes):
-        self.handles = [_Handle(process) for process in processes]
-        self.shut = False
-
-    def _on_ranks(self, call, what, timeout_s=None):
-        return [call(handle) for handle in self.handles]
-
-    def shutdown(self):
-        self.shut = True
-
-
 def _batch(lengths) -> SequenceBatch:
     """Sequence i: prompt of 2 tokens, i + 1 + ... response tokens, its first token i (to find it again)."""
     return SequenceBatch([torch.tensor([index, 0] + [1] * length) for index, length in enumerate(lengths)],
@@ -60,7 +37,7 @@ def test_teacher_group_calls_every_rank_and_returns_rank_0s_results():
     processes = [RankProcess(rank, 2) for rank in range(2)]
     for process in processes:
         process.workers = {"teacher": _Worker(process.rank)}
-    ranks = _Ranks(processes)
+    ranks = in_process_ranks(processes)
     group: Teacher = TeacherGroup(ranks)
     batch = _batch([3, 1])
     logprobs, _ = group.compute_logprobs(batch)
